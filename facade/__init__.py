@@ -1,0 +1,1 @@
+"""Envoy facade: REST `POST /v2/completions` transcoded onto the gRPC completion service."""

@@ -1,0 +1,94 @@
+"""Start Envoy with envoy.yaml, set to the given ports and upstream gRPC service.
+
+Usage: python -m facade.launch [--http-port 8080] [--admin-port 9901] [--upstream 127.0.0.1:50051]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+FACADE_DIR = Path(__file__).resolve().parent
+ENVOY_TEMPLATE = FACADE_DIR.parent / "envoy.yaml"
+LUA_FILE = FACADE_DIR / "completions.lua"
+DESCRIPTOR_FILE = FACADE_DIR / "completions.pb"
+
+
+def http_filters(config: dict[str, Any]) -> list[dict[str, Any]]:
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    return manager["typed_config"]["http_filters"]
+
+
+def filter_config(config: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(f["typed_config"] for f in http_filters(config) if f["name"] == name)
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return host, int(port)
+
+
+def render_config(
+    http_port: int, admin_port: int, upstreams: list[tuple[str, int]], listen_host: str = "127.0.0.1"
+) -> dict[str, Any]:
+    """envoy.yaml with ports, upstream endpoints and absolute file paths filled in."""
+    config = yaml.safe_load(ENVOY_TEMPLATE.read_text())
+    config["admin"]["address"]["socket_address"]["port_value"] = admin_port
+    listener = config["static_resources"]["listeners"][0]
+    listener["address"]["socket_address"].update(address=listen_host, port_value=http_port)
+    filter_config(config, "envoy.filters.http.lua")["default_source_code"]["filename"] = str(LUA_FILE)
+    transcoder = filter_config(config, "envoy.filters.http.grpc_json_transcoder")
+    transcoder["proto_descriptor"] = str(DESCRIPTOR_FILE)
+    cluster = config["static_resources"]["clusters"][0]
+    cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
+        {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}
+        for host, port in upstreams
+    ]
+    return config
+
+
+def write_config(config: dict[str, Any]) -> Path:
+    directory = Path(tempfile.mkdtemp(prefix="envoy-facade-"))
+    path = directory / "envoy.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def envoy_command(config_path: Path, log_level: str = "warning") -> list[str]:
+    envoy = shutil.which("envoy") or str(Path(sys.executable).parent / "envoy")
+    # No hot restart: several Envoys (serve and tests) can then share one host.
+    return [envoy, "-c", str(config_path), "--log-level", log_level, "--disable-hot-restart"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--http-port", type=int, default=int(os.environ.get("HTTP_PORT", 8080)))
+    parser.add_argument(
+        "--admin-port", type=int, default=int(os.environ.get("ENVOY_ADMIN_PORT", 9901))
+    )
+    parser.add_argument(
+        "--upstream",
+        type=parse_address,
+        action="append",
+        help="gRPC service HOST:PORT; repeat for several replicas (default 127.0.0.1:$GRPC_PORT)",
+    )
+    parser.add_argument("--log-level", default="warning")
+    args = parser.parse_args()
+    upstreams = args.upstream or [("127.0.0.1", int(os.environ.get("GRPC_PORT", 50051)))]
+    config_path = write_config(render_config(args.http_port, args.admin_port, upstreams))
+    command = envoy_command(config_path, args.log_level)
+    print(f"envoy: REST on 127.0.0.1:{args.http_port} -> gRPC {upstreams}", flush=True)
+    os.execv(command[0], command)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Command line: `serve` (the default) runs the gRPC server; `prepare-model` readies the
+default model ahead of time. Every option can also be set by the environment variable
+named in its help."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from service import __version__
+from service.default_model import DEFAULT_SERVED_MODEL_NAME
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def add_option(
+    parser: argparse.ArgumentParser,
+    flag: str,
+    env: str,
+    default: Any,
+    help_text: str,
+    convert: Callable[[str], Any] = str,
+) -> None:
+    raw = os.environ.get(env)
+    value = convert(raw) if raw not in (None, "") else default
+    parser.add_argument(
+        flag, default=value, type=convert, help=f"{help_text} [env {env}; default: %(default)s]"
+    )
+
+
+def json_object(text: str) -> dict[str, Any]:
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"max_num_seqs\": 64}'")
+    return value
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    add_option(parser, "--model", "MODEL", None,
+               "Hugging Face model directory; unset serves the embedded SmolLM2-135M-Instruct",
+               Path)
+    add_option(parser, "--served-model-name", "SERVED_MODEL_NAME", None,
+               f"name callers pass as `model` (unset: {DEFAULT_SERVED_MODEL_NAME} for the "
+               "default model, else the model directory's name)")
+    add_option(parser, "--dtype", "DTYPE", "auto", "weights dtype; auto is float32 on a CPU")
+    add_option(parser, "--max-model-len", "MAX_MODEL_LEN", None,
+               "context length (prompt + completion tokens); unset: the model's", int)
+    add_option(parser, "--kv-cache-gib", "KV_CACHE_GIB", None,
+               "memory for the KV cache in GiB; unset: vLLM's default", float)
+    add_option(parser, "--engine-args", "ENGINE_ARGS", {},
+               "other vLLM engine arguments as a JSON object", json_object)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llm-completions", description=__doc__.splitlines()[0] + " " + " ".join(__doc__.splitlines()[1:])
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    add_option(parser, "--log-level", "LOG_LEVEL", "INFO", "logging level")
+    commands = parser.add_subparsers(dest="command")
+    serve = commands.add_parser("serve", help="run the gRPC server (the default command)")
+    add_option(serve, "--host", "GRPC_HOST", "127.0.0.1", "address the gRPC server listens on")
+    add_option(serve, "--port", "GRPC_PORT", 50051, "gRPC port", int)
+    add_option(serve, "--shutdown-grace", "SHUTDOWN_GRACE_SECONDS", 30.0,
+               "seconds in-flight requests get to finish on SIGTERM", float)
+    add_engine_options(serve)
+    commands.add_parser("prepare-model", help="convert the embedded default model into the cache")
+    return parser
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from service.server import serve
+    from service.settings import EngineSettings, ServerSettings
+
+    served_name = args.served_model_name or (
+        DEFAULT_SERVED_MODEL_NAME if args.model is None else args.model.resolve().name
+    )
+    engine_settings = EngineSettings(
+        model=args.model,
+        served_model_name=served_name,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        kv_cache_gib=args.kv_cache_gib,
+        extra_engine_args=args.engine_args,
+    )
+    server_settings = ServerSettings(
+        host=args.host, port=args.port, shutdown_grace_seconds=args.shutdown_grace
+    )
+    return asyncio.run(serve(server_settings, engine_settings))
+
+
+def run_prepare_model(_: argparse.Namespace) -> int:
+    from service.default_model import prepare_default_model
+
+    print(prepare_default_model())
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not any(arg in ("serve", "prepare-model") for arg in argv) and not {"-h", "--help", "--version"} & set(argv):
+        argv = ["serve", *argv]
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    command = run_prepare_model if args.command == "prepare-model" else run_serve
+    sys.exit(command(args))

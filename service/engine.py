@@ -1,0 +1,93 @@
+"""The model layer: builds vLLM's in-process async engine and describes the model it serves."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vllm import AsyncEngineArgs
+from vllm.platforms import current_platform
+from vllm.tokenizers import TokenizerLike
+from vllm.v1.engine.async_llm import AsyncLLM
+
+from service.default_model import prepare_default_model
+from service.settings import EngineSettings
+
+logger = logging.getLogger(__name__)
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """The running engine and the facts about its model that requests are checked against."""
+
+    engine: AsyncLLM
+    name: str
+    tokenizer: TokenizerLike
+    max_model_len: int
+    vocab_size: int
+    system_fingerprint: str
+    default_sampling: dict[str, Any]
+
+
+def resolve_dtype(dtype: str) -> str:
+    # bfloat16 is emulated and ~35x slower on CPUs without AVX-512 BF16 (PLATFORM.md).
+    if dtype == "auto" and current_platform.is_cpu():
+        return "float32"
+    return dtype
+
+
+def engine_args(settings: EngineSettings, model_dir: Path) -> AsyncEngineArgs:
+    args: dict[str, Any] = {
+        "model": str(model_dir),
+        "served_model_name": settings.served_model_name,
+        "dtype": resolve_dtype(settings.dtype),
+        # torch.compile costs minutes at start on a CPU and buys little there.
+        "enforce_eager": current_platform.is_cpu(),
+        "disable_log_stats": True,
+    }
+    if settings.max_model_len is not None:
+        args["max_model_len"] = settings.max_model_len
+    if settings.kv_cache_gib is not None:
+        args["kv_cache_memory_bytes"] = int(settings.kv_cache_gib * GIB)
+    args.update(settings.extra_engine_args)
+    return AsyncEngineArgs(**args)
+
+
+def fingerprint(args: AsyncEngineArgs) -> str:
+    """Stable for one model and engine configuration, as `system_fingerprint` promises."""
+    import vllm
+
+    described = {"vllm": vllm.__version__, "args": {k: str(v) for k, v in vars(args).items()}}
+    digest = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
+    return f"fp_{digest[:12]}"
+
+
+def start_engine(settings: EngineSettings) -> ServedModel:
+    """Build the engine (blocking: run it off the event loop)."""
+    model_dir = settings.model if settings.model is not None else prepare_default_model()
+    args = engine_args(settings, model_dir)
+    logger.info(
+        "starting engine: model=%s served_as=%s dtype=%s", model_dir, settings.served_model_name,
+        args.dtype,
+    )
+    engine = AsyncLLM.from_engine_args(args)
+    model_config = engine.model_config
+    served = ServedModel(
+        engine=engine,
+        name=settings.served_model_name,
+        tokenizer=engine.get_tokenizer(),
+        max_model_len=model_config.max_model_len,
+        vocab_size=model_config.get_vocab_size(),
+        system_fingerprint=fingerprint(args),
+        default_sampling=model_config.get_diff_sampling_param(),
+    )
+    logger.info(
+        "engine ready: max_model_len=%d vocab_size=%d", served.max_model_len, served.vocab_size
+    )
+    return served

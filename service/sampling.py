@@ -1,0 +1,75 @@
+"""Translation of a validated CompletionRequest into vLLM's SamplingParams."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from google.protobuf import struct_pb2
+from llmcompletions.v2.completions_pb2 import CompletionRequest
+from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+DEFAULT_MAX_TOKENS = 16
+
+# Request fields passed to SamplingParams under the same name when the caller set them.
+OPTIONAL_PASSTHROUGH = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "seed",
+    "ignore_eos",
+    "min_tokens",
+    "n",
+    "logprobs",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+)
+
+
+def requested_max_tokens(request: CompletionRequest) -> int:
+    return request.max_tokens if request.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+
+
+def stop_strings(stop: struct_pb2.Value) -> list[str] | None:
+    kind = stop.WhichOneof("kind")
+    if kind == "string_value":
+        return [stop.string_value]
+    if kind == "list_value":
+        return [item.string_value for item in stop.list_value.values]
+    return None
+
+
+def sampling_params(
+    request: CompletionRequest, model_defaults: dict[str, Any]
+) -> SamplingParams:
+    """SamplingParams for one prompt of the request.
+
+    Unset fields take the model's generation-config defaults, then vLLM's, as vLLM's own
+    OpenAI server does. `max_tokens: 0` still runs one engine step (echo and prompt
+    log-probabilities need the prompt pass); the response drops that token.
+    """
+    params: dict[str, Any] = {
+        name: model_defaults[name]
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+        if name in model_defaults
+    }
+    for name in OPTIONAL_PASSTHROUGH:
+        if request.HasField(name):
+            params[name] = getattr(request, name)
+    if request.HasField("top_k"):
+        params["top_k"] = max(request.top_k, 0)  # -1 and 0 both mean all tokens
+    if request.HasField("stop"):
+        params["stop"] = stop_strings(request.stop)
+    if request.stop_token_ids:
+        params["stop_token_ids"] = list(request.stop_token_ids)
+    if request.logit_bias:
+        params["logit_bias"] = dict(request.logit_bias)
+    max_tokens = requested_max_tokens(request)
+    return SamplingParams.from_optional(
+        **params,
+        max_tokens=max(max_tokens, 1),
+        output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
+    )

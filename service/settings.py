@@ -1,0 +1,29 @@
+"""The service's configuration, as parsed from flags and environment variables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What the vLLM engine is built from."""
+
+    model: Path | None  # None: the embedded default model
+    served_model_name: str
+    dtype: str = "auto"  # "auto" means float32 on a CPU
+    max_model_len: int | None = None
+    kv_cache_gib: float | None = None
+    extra_engine_args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Where and how the gRPC server listens."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    shutdown_grace_seconds: float = 30.0
+    max_message_bytes: int = 16 * 1024 * 1024

@@ -1,0 +1,259 @@
+"""Checks a CompletionRequest against every limit of CONTRACT.md, collecting all violations."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from google.protobuf import struct_pb2
+from llmcompletions.v2.completions_pb2 import CompletionRequest
+
+from service.errors import FieldViolation, Loc, RequestValidationError
+from service.prompts import PromptFormError, PromptInput, parse_prompt
+
+MAX_STOP_STRINGS = 4
+MAX_BEST_OF = 20
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+EARLY_STOPPING_WORD = "never"
+
+
+@dataclass(frozen=True)
+class Bound:
+    value: float
+    inclusive: bool = True
+
+
+# field: (lower bound, upper bound); None means unbounded on that side.
+NUMERIC_RANGES: dict[str, tuple[Bound | None, Bound | None]] = {
+    "max_tokens": (Bound(0), None),
+    "min_tokens": (Bound(0), None),
+    "temperature": (Bound(0), Bound(2)),
+    "top_p": (Bound(0, inclusive=False), Bound(1)),
+    "top_k": (Bound(-1), None),
+    "min_p": (Bound(0), Bound(1)),
+    "frequency_penalty": (Bound(-2), Bound(2)),
+    "presence_penalty": (Bound(-2), Bound(2)),
+    "repetition_penalty": (Bound(0, inclusive=False), None),
+    "length_penalty": (None, None),
+    "n": (Bound(1), Bound(128)),
+    "logprobs": (Bound(0), Bound(5)),
+}
+
+
+class Violations:
+    """Collects field violations so that all of them are reported together."""
+
+    def __init__(self) -> None:
+        self.items: list[FieldViolation] = []
+
+    def add(self, loc: Loc, msg: str, type_: str = "value_error") -> None:
+        self.items.append(FieldViolation(loc=loc, msg=msg, type=type_))
+
+
+def validate_request(request: CompletionRequest, vocab_size: int) -> list[PromptInput]:
+    """Return the request's prompts, or raise RequestValidationError listing every violation."""
+    found = Violations()
+    if not request.model:
+        found.add(("model",), "model is required", "missing")
+    prompts = check_prompt(request, vocab_size, found)
+    check_numeric_ranges(request, found)
+    check_counts(request, found)
+    check_stop(request.stop if request.HasField("stop") else None, found)
+    check_token_ids(request, vocab_size, found)
+    check_early_stopping(request, found)
+    check_output_constraints(request, found)
+    check_streaming(request, found)
+    if request.HasField("suffix") and request.suffix:
+        found.add(("suffix",), "suffix is not supported: this server does not insert text")
+    if found.items:
+        raise RequestValidationError(found.items)
+    return prompts
+
+
+def check_prompt(
+    request: CompletionRequest, vocab_size: int, found: Violations
+) -> list[PromptInput]:
+    try:
+        return parse_prompt(request.prompt if request.HasField("prompt") else None, vocab_size)
+    except PromptFormError as error:
+        found.add(("prompt", *error.loc), error.msg, error.type)
+        return []
+
+
+def describe_range(low: Bound | None, high: Bound | None) -> str:
+    if low and high:
+        left = "[" if low.inclusive else "("
+        right = "]" if high.inclusive else ")"
+        return f"in {left}{low.value:g}, {high.value:g}{right}"
+    if low:
+        return f"{'>=' if low.inclusive else '>'} {low.value:g}"
+    if high:
+        return f"{'<=' if high.inclusive else '<'} {high.value:g}"
+    return "a finite number"
+
+
+def range_violation(value: float, low: Bound | None, high: Bound | None) -> str | None:
+    """The pydantic-style type of the broken bound, or None when value is within range."""
+    if not math.isfinite(value):
+        return "finite_number"
+    if low and (value < low.value or (value == low.value and not low.inclusive)):
+        return "greater_than_equal" if low.inclusive else "greater_than"
+    if high and (value > high.value or (value == high.value and not high.inclusive)):
+        return "less_than_equal" if high.inclusive else "less_than"
+    return None
+
+
+def check_numeric_ranges(request: CompletionRequest, found: Violations) -> None:
+    for name, (low, high) in NUMERIC_RANGES.items():
+        if not request.HasField(name):
+            continue
+        value = getattr(request, name)
+        broken = range_violation(value, low, high)
+        if broken:
+            found.add((name,), f"{name} must be {describe_range(low, high)}, got {value:g}", broken)
+
+
+def check_counts(request: CompletionRequest, found: Violations) -> None:
+    max_tokens = request.max_tokens if request.HasField("max_tokens") else None
+    if request.HasField("min_tokens") and max_tokens is not None and max_tokens >= 0:
+        if request.min_tokens > max_tokens:
+            found.add(
+                ("min_tokens",),
+                f"min_tokens must be <= max_tokens ({max_tokens}), got {request.min_tokens}",
+                "less_than_equal",
+            )
+    if request.HasField("best_of"):
+        n = request.n if request.HasField("n") else 1
+        if not n <= request.best_of <= MAX_BEST_OF:
+            found.add(
+                ("best_of",),
+                f"best_of must be in [n, {MAX_BEST_OF}] (n is {n}), got {request.best_of}",
+                "value_error",
+            )
+
+
+def check_stop(stop: struct_pb2.Value | None, found: Violations) -> None:
+    if stop is None:
+        return
+    kind = stop.WhichOneof("kind")
+    if kind in (None, "null_value"):
+        return
+    if kind == "string_value":
+        if not stop.string_value:
+            found.add(("stop",), "stop must be a non-empty string", "string_too_short")
+        return
+    if kind != "list_value":
+        found.add(("stop",), "stop must be a string or a list of strings", "type_error")
+        return
+    items = stop.list_value.values
+    if not 1 <= len(items) <= MAX_STOP_STRINGS:
+        found.add(
+            ("stop",),
+            f"stop must hold 1 to {MAX_STOP_STRINGS} strings, got {len(items)}",
+            "too_long" if items else "too_short",
+        )
+    for index, item in enumerate(items):
+        if item.WhichOneof("kind") != "string_value" or not item.string_value:
+            found.add(("stop", index), "each stop must be a non-empty string", "string_type")
+
+
+def token_id_problem(token_id: int, vocab_size: int) -> str | None:
+    if 0 <= token_id < vocab_size:
+        return None
+    return f"token id must be in [0, {vocab_size - 1}] (the model's vocabulary), got {token_id}"
+
+
+def check_token_ids(request: CompletionRequest, vocab_size: int, found: Violations) -> None:
+    for index, token_id in enumerate(request.stop_token_ids):
+        problem = token_id_problem(token_id, vocab_size)
+        if problem:
+            found.add(("stop_token_ids", index), f"stop_token_ids: {problem}")
+    for token_id, bias in request.logit_bias.items():
+        problem = token_id_problem(token_id, vocab_size)
+        if problem:
+            found.add(("logit_bias", str(token_id)), f"logit_bias key: {problem}")
+        if not (math.isfinite(bias) and -100 <= bias <= 100):
+            found.add(
+                ("logit_bias", str(token_id)),
+                f"logit_bias values must be in [-100, 100], got {bias:g}",
+                "less_than_equal" if bias > 100 else "greater_than_equal",
+            )
+
+
+def check_early_stopping(request: CompletionRequest, found: Violations) -> None:
+    if not request.HasField("early_stopping"):
+        return
+    value = request.early_stopping
+    kind = value.WhichOneof("kind")
+    if kind in ("null_value", "bool_value", None):
+        return
+    if kind == "string_value" and value.string_value == EARLY_STOPPING_WORD:
+        return
+    found.add(("early_stopping",), 'early_stopping must be true, false or "never"', "literal_error")
+
+
+def check_output_constraints(request: CompletionRequest, found: Violations) -> None:
+    given = [
+        name
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+        if request.HasField(name)
+    ]
+    if request.HasField("response_format"):
+        check_response_format(request, found)
+        if request.response_format.type in ("json_object", "json_schema"):
+            given.append(f"response_format {request.response_format.type}")
+    if len(given) > 1:
+        found.add(
+            (given[1].split()[0],),
+            f"at most one output constraint may be given, got {', '.join(given)}",
+        )
+    if request.HasField("guided_choice"):
+        choices = request.guided_choice.values
+        if not choices:
+            found.add(("guided_choice",), "guided_choice must hold at least one string", "too_short")
+        for index, choice in enumerate(choices):
+            if choice.WhichOneof("kind") != "string_value":
+                found.add(("guided_choice", index), "each guided_choice must be a string", "string_type")
+
+
+def check_response_format(request: CompletionRequest, found: Violations) -> None:
+    response_format = request.response_format
+    if response_format.type not in RESPONSE_FORMAT_TYPES:
+        found.add(
+            ("response_format", "type"),
+            f"response_format.type must be one of {', '.join(RESPONSE_FORMAT_TYPES)}, "
+            f"got {response_format.type!r}",
+            "literal_error",
+        )
+    if response_format.type != "json_schema":
+        return
+    if not response_format.HasField("json_schema"):
+        found.add(("response_format", "json_schema"), "json_schema is required", "missing")
+        return
+    json_schema = response_format.json_schema
+    if not SCHEMA_NAME.match(json_schema.name):
+        found.add(
+            ("response_format", "json_schema", "name"),
+            "json_schema.name must match ^[A-Za-z0-9_-]{1,64}$",
+            "string_pattern_mismatch",
+        )
+    if not json_schema.HasField("schema"):
+        found.add(
+            ("response_format", "json_schema", "schema"),
+            "json_schema.schema must be a JSON object",
+            "missing",
+        )
+
+
+def check_streaming(request: CompletionRequest, found: Violations) -> None:
+    if request.stream:
+        n = request.n if request.HasField("n") else 1
+        if request.HasField("best_of") and request.best_of > n:
+            found.add(("stream",), "results cannot be streamed when best_of > n")
+        if request.use_beam_search:
+            found.add(("stream",), "results cannot be streamed with use_beam_search")
+    elif request.HasField("stream_options"):
+        found.add(("stream_options",), "stream_options is only allowed with stream=true")
+
