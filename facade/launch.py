@@ -38,14 +38,19 @@ def parse_address(text: str) -> tuple[str, int]:
 
 
 def render_config(
-    http_port: int, admin_port: int, upstreams: list[tuple[str, int]], listen_host: str = "127.0.0.1"
+    http_port: int,
+    admin_port: int,
+    upstreams: list[tuple[str, int]],
+    listen_host: str = "127.0.0.1",
 ) -> dict[str, Any]:
     """envoy.yaml with ports, upstream endpoints and absolute file paths filled in."""
     config = yaml.safe_load(ENVOY_TEMPLATE.read_text())
     config["admin"]["address"]["socket_address"]["port_value"] = admin_port
     listener = config["static_resources"]["listeners"][0]
     listener["address"]["socket_address"].update(address=listen_host, port_value=http_port)
-    filter_config(config, "envoy.filters.http.lua")["default_source_code"]["filename"] = str(LUA_FILE)
+    filter_config(config, "envoy.filters.http.lua")["default_source_code"]["filename"] = str(
+        LUA_FILE
+    )
     transcoder = filter_config(config, "envoy.filters.http.grpc_json_transcoder")
     transcoder["proto_descriptor"] = str(DESCRIPTOR_FILE)
     cluster = config["static_resources"]["clusters"][0]

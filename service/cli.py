@@ -43,24 +43,53 @@ def json_object(text: str) -> dict[str, Any]:
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
-    add_option(parser, "--model", "MODEL", None,
-               "Hugging Face model directory; unset serves the embedded SmolLM2-135M-Instruct",
-               Path)
-    add_option(parser, "--served-model-name", "SERVED_MODEL_NAME", None,
-               f"name callers pass as `model` (unset: {DEFAULT_SERVED_MODEL_NAME} for the "
-               "default model, else the model directory's name)")
+    add_option(
+        parser,
+        "--model",
+        "MODEL",
+        None,
+        "Hugging Face model directory; unset serves the embedded SmolLM2-135M-Instruct",
+        Path,
+    )
+    add_option(
+        parser,
+        "--served-model-name",
+        "SERVED_MODEL_NAME",
+        None,
+        f"name callers pass as `model` (unset: {DEFAULT_SERVED_MODEL_NAME} for the "
+        "default model, else the model directory's name)",
+    )
     add_option(parser, "--dtype", "DTYPE", "auto", "weights dtype; auto is float32 on a CPU")
-    add_option(parser, "--max-model-len", "MAX_MODEL_LEN", None,
-               "context length (prompt + completion tokens); unset: the model's", int)
-    add_option(parser, "--kv-cache-gib", "KV_CACHE_GIB", None,
-               "memory for the KV cache in GiB; unset: vLLM's default", float)
-    add_option(parser, "--engine-args", "ENGINE_ARGS", {},
-               "other vLLM engine arguments as a JSON object", json_object)
+    add_option(
+        parser,
+        "--max-model-len",
+        "MAX_MODEL_LEN",
+        None,
+        "context length (prompt + completion tokens); unset: the model's",
+        int,
+    )
+    add_option(
+        parser,
+        "--kv-cache-gib",
+        "KV_CACHE_GIB",
+        None,
+        "memory for the KV cache in GiB; unset: vLLM's default",
+        float,
+    )
+    add_option(
+        parser,
+        "--engine-args",
+        "ENGINE_ARGS",
+        {},
+        "other vLLM engine arguments as a JSON object",
+        json_object,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="llm-completions", description=__doc__.splitlines()[0] + " " + " ".join(__doc__.splitlines()[1:])
+        prog="llm-completions",
+        description=__doc__.splitlines()[0] + " " + " ".join(__doc__.splitlines()[1:]),
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     add_option(parser, "--log-level", "LOG_LEVEL", "INFO", "logging level")
@@ -68,8 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="run the gRPC server (the default command)")
     add_option(serve, "--host", "GRPC_HOST", "127.0.0.1", "address the gRPC server listens on")
     add_option(serve, "--port", "GRPC_PORT", 50051, "gRPC port", int)
-    add_option(serve, "--shutdown-grace", "SHUTDOWN_GRACE_SECONDS", 30.0,
-               "seconds in-flight requests get to finish on SIGTERM", float)
+    add_option(
+        serve,
+        "--shutdown-grace",
+        "SHUTDOWN_GRACE_SECONDS",
+        30.0,
+        "seconds in-flight requests get to finish on SIGTERM",
+        float,
+    )
     add_engine_options(serve)
     commands.add_parser("prepare-model", help="convert the embedded default model into the cache")
     return parser
@@ -106,7 +141,11 @@ def run_prepare_model(_: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    if not any(arg in ("serve", "prepare-model") for arg in argv) and not {"-h", "--help", "--version"} & set(argv):
+    if not any(arg in ("serve", "prepare-model") for arg in argv) and not {
+        "-h",
+        "--help",
+        "--version",
+    } & set(argv):
         argv = ["serve", *argv]
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)

@@ -73,7 +73,9 @@ def start_engine(settings: EngineSettings) -> ServedModel:
     model_dir = settings.model if settings.model is not None else prepare_default_model()
     args = engine_args(settings, model_dir)
     logger.info(
-        "starting engine: model=%s served_as=%s dtype=%s", model_dir, settings.served_model_name,
+        "starting engine: model=%s served_as=%s dtype=%s",
+        model_dir,
+        settings.served_model_name,
         args.dtype,
     )
     engine = AsyncLLM.from_engine_args(args)

@@ -15,6 +15,7 @@ from llmcompletions.v2.completions_pb2 import (
     Usage,
 )
 from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.sampling_params import SamplingParams
 
 from service.errors import CompletionError, utc_timestamp
 from service.prompts import PreparedPrompt
@@ -35,7 +36,9 @@ class ResponseHeader:
     def new(cls, model: str, system_fingerprint: str) -> ResponseHeader:
         return cls(f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, system_fingerprint)
 
-    def message(self, choices: Sequence[Choice] = (), usage: Usage | None = None) -> CompletionResponse:
+    def message(
+        self, choices: Sequence[Choice] = (), usage: Usage | None = None
+    ) -> CompletionResponse:
         return CompletionResponse(
             id=self.id,
             object=OBJECT_TYPE,
@@ -48,6 +51,17 @@ class ResponseHeader:
 
 
 @dataclass(frozen=True)
+class EngineSlot:
+    """One engine request of a completion: which prompt, and which of its choices it makes
+    (`first_choice` onwards, one per sequence)."""
+
+    prompt_index: int
+    first_choice: int
+    request_id: str
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
 class ChoicePlan:
     """How outputs become choices: `n` per prompt, echo, and whether generated text is kept."""
 
@@ -56,8 +70,11 @@ class ChoicePlan:
     echo: bool
     keep_generated: bool  # False for max_tokens 0: the engine's one token is dropped
 
-    def index(self, prompt_index: int, output: CompletionOutput) -> int:
-        return prompt_index * self.n + output.index
+    def index(self, slot: EngineSlot, output: CompletionOutput) -> int:
+        return slot.prompt_index * self.n + slot.first_choice + output.index
+
+    def echoed(self, slot: EngineSlot) -> str:
+        return self.prompts[slot.prompt_index].text if self.echo else ""
 
     def prompt_tokens(self) -> int:
         return sum(len(prompt.token_ids) for prompt in self.prompts)
@@ -83,20 +100,21 @@ def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
 
 
 def whole_response(
-    header: ResponseHeader, plan: ChoicePlan, results: Sequence[RequestOutput]
+    header: ResponseHeader,
+    plan: ChoicePlan,
+    results: Sequence[tuple[EngineSlot, RequestOutput]],
 ) -> CompletionResponse:
-    """The one message of a non-streamed completion, from each prompt's final output."""
+    """The one message of a non-streamed completion, from each engine request's final output."""
     choices: list[Choice] = []
     completion_tokens = 0
-    for prompt_index, result in enumerate(results):
-        echoed = plan.prompts[prompt_index].text if plan.echo else ""
+    for slot, result in results:
         for output in result.outputs:
             text, token_count = plan.generated(output)
             completion_tokens += token_count
             choices.append(
                 Choice(
-                    index=plan.index(prompt_index, output),
-                    text=echoed + text,
+                    index=plan.index(slot, output),
+                    text=plan.echoed(slot) + text,
                     finish_reason=plan.finish_reason(output),
                 )
             )
@@ -110,29 +128,25 @@ class StreamAssembler:
 
     header: ResponseHeader
     plan: ChoicePlan
-    echoed: set[int] = field(default_factory=set)
+    echo_sent: set[int] = field(default_factory=set)
     completion_tokens: int = 0
 
-    def chunks(self, prompt_index: int, result: RequestOutput) -> list[CompletionResponse]:
+    def chunks(self, slot: EngineSlot, result: RequestOutput) -> list[CompletionResponse]:
         return [
-            chunk
-            for output in result.outputs
-            if (chunk := self.chunk(prompt_index, output)) is not None
+            chunk for output in result.outputs if (chunk := self.chunk(slot, output)) is not None
         ]
 
-    def chunk(self, prompt_index: int, output: CompletionOutput) -> CompletionResponse | None:
-        index = self.plan.index(prompt_index, output)
+    def chunk(self, slot: EngineSlot, output: CompletionOutput) -> CompletionResponse | None:
+        index = self.plan.index(slot, output)
         text, token_count = self.plan.generated(output)
         finish_reason = self.plan.finish_reason(output) if output.finished() else None
         self.completion_tokens += token_count
-        if self.plan.echo and index not in self.echoed:
-            self.echoed.add(index)
-            text = self.plan.prompts[prompt_index].text + text
+        if self.plan.echo and index not in self.echo_sent:
+            self.echo_sent.add(index)
+            text = self.plan.echoed(slot) + text
         if not text and finish_reason is None:
             return None  # nothing a caller could see, e.g. text held back for a stop string
-        return self.header.message(
-            [Choice(index=index, text=text, finish_reason=finish_reason)]
-        )
+        return self.header.message([Choice(index=index, text=text, finish_reason=finish_reason)])
 
     def usage_chunk(self) -> CompletionResponse:
         return self.header.message((), usage(self.plan.prompt_tokens(), self.completion_tokens))

@@ -21,12 +21,14 @@ OPTIONAL_PASSTHROUGH = (
     "seed",
     "ignore_eos",
     "min_tokens",
-    "n",
     "logprobs",
     "skip_special_tokens",
     "spaces_between_special_tokens",
     "include_stop_str_in_output",
 )
+
+
+GREEDY_TEMPERATURE = 1e-5  # vLLM samples greedily below this
 
 
 def requested_max_tokens(request: CompletionRequest) -> int:
@@ -42,10 +44,23 @@ def stop_strings(stop: struct_pb2.Value) -> list[str] | None:
     return None
 
 
+def requested_n(request: CompletionRequest) -> int:
+    return request.n if request.HasField("n") else 1
+
+
+def is_greedy(request: CompletionRequest, model_defaults: dict[str, Any]) -> bool:
+    temperature = (
+        request.temperature
+        if request.HasField("temperature")
+        else model_defaults.get("temperature", 1.0)
+    )
+    return temperature < GREEDY_TEMPERATURE
+
+
 def sampling_params(
-    request: CompletionRequest, model_defaults: dict[str, Any]
+    request: CompletionRequest, model_defaults: dict[str, Any], n: int
 ) -> SamplingParams:
-    """SamplingParams for one prompt of the request.
+    """SamplingParams for one engine request of `n` sequences.
 
     Unset fields take the model's generation-config defaults, then vLLM's, as vLLM's own
     OpenAI server does. `max_tokens: 0` still runs one engine step (echo and prompt
@@ -70,6 +85,7 @@ def sampling_params(
     max_tokens = requested_max_tokens(request)
     return SamplingParams.from_optional(
         **params,
+        n=n,
         max_tokens=max(max_tokens, 1),
         output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
     )

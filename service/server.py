@@ -49,7 +49,9 @@ def build_server(
     )
     address = f"{settings.host}:{settings.port}"
     if server.add_insecure_port(address) == 0:
-        raise SystemExit(f"cannot listen on {address}: is the port in use? Pick another with --port")
+        raise SystemExit(
+            f"cannot listen on {address}: is the port in use? Pick another with --port"
+        )
     return server, health_servicer
 
 
@@ -64,7 +66,9 @@ async def serve(server_settings: ServerSettings, engine_settings: EngineSettings
     server, health_servicer = build_server(server_settings, state)
     await server.start()
     await set_health(health_servicer, NOT_SERVING)
-    logger.info("gRPC listening on %s:%d; loading the engine", server_settings.host, server_settings.port)
+    logger.info(
+        "gRPC listening on %s:%d; loading the engine", server_settings.host, server_settings.port
+    )
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

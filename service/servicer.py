@@ -27,7 +27,7 @@ class CompletionServicer(completions_pb2_grpc.CompletionServiceServicer):
     def __init__(self, handler: Callable[[], CompletionHandler | None]) -> None:
         self._handler = handler  # None until the engine is ready
 
-    async def CreateCompletion(  # noqa: N802 (the generated base class names it)
+    async def CreateCompletion(
         self, request: CompletionRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[CompletionResponse]:
         transcoded = is_transcoded(context)

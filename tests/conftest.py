@@ -1,0 +1,71 @@
+"""One running stack (the real engine on the default model, and a real Envoy) per test session."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import pytest
+from llmcompletions.v2 import completions_pb2_grpc
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from facade.stack import Stack
+from service.default_model import DEFAULT_SERVED_MODEL_NAME, prepare_default_model
+
+MODEL = DEFAULT_SERVED_MODEL_NAME
+MAX_MODEL_LEN = 2048
+ENGINE_START_TIMEOUT = 600
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    return prepare_default_model()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="session")
+def stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    running = Stack(
+        grpc_port=free_port(),
+        http_port=free_port(),
+        admin_port=free_port(),
+        service_args=["--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-gib", "1"],
+        service_log=tmp_path_factory.mktemp("stack") / "service.log",
+    )
+    running.start()
+    try:
+        running.wait_ready(ENGINE_START_TIMEOUT)
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest.fixture(scope="session")
+def rest(stack: Stack) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=stack.base_url, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def grpc_stub(stack: Stack) -> Iterator[completions_pb2_grpc.CompletionServiceStub]:
+    with grpc.insecure_channel(stack.grpc_target) as channel:
+        yield completions_pb2_grpc.CompletionServiceStub(channel)
+
+
+@pytest.fixture(scope="session")
+def openai_client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.base_url}/v2", api_key="unused", max_retries=0)

@@ -1,0 +1,74 @@
+"""Our REST surface returns what vLLM's own OpenAI server returns for the same request."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import MAX_MODEL_LEN, MODEL, free_port
+from tests.helpers import CAPITAL_PROMPT, complete
+
+PROMPTS = [CAPITAL_PROMPT, "def fibonacci(n):", "Once upon a time, in a small village,"]
+
+
+@pytest.fixture(scope="module")
+def vllm_server(model_dir: Path) -> Iterator[str]:
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--served-model-name",
+        MODEL,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            assert process.poll() is None, "vLLM's OpenAI server exited"
+            try:
+                if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        yield base_url
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_text_and_usage_equal_vllm_openai_server(
+    rest: httpx.Client, vllm_server: str, prompt: str
+) -> None:
+    request = {"model": MODEL, "prompt": prompt, "max_tokens": 32, "temperature": 0}
+    theirs = httpx.post(f"{vllm_server}/v1/completions", json=request, timeout=120).json()
+    ours = complete(rest, prompt=prompt, max_tokens=32)
+    assert ours["choices"][0]["text"] == theirs["choices"][0]["text"]
+    assert ours["choices"][0]["finish_reason"] == theirs["choices"][0]["finish_reason"]
+    assert ours["usage"] == {
+        key: theirs["usage"][key] for key in ("prompt_tokens", "completion_tokens", "total_tokens")
+    }
