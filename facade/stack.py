@@ -145,7 +145,8 @@ def main() -> None:
         admin_port=int(os.environ.get("ENVOY_ADMIN_PORT", 9901)),
         service_args=sys.argv[1:],
     )
-    signal.signal(signal.SIGTERM, interrupt)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, interrupt)
     stack.start()
     exit_code = 0
     try:

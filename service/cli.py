@@ -73,7 +73,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-gib",
         "KV_CACHE_GIB",
         None,
-        "memory for the KV cache in GiB; unset: vLLM's default",
+        "memory for the KV cache in GiB; unset: 2 on a CPU, vLLM's default on a GPU",
         float,
     )
     add_option(

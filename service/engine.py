@@ -20,6 +20,9 @@ from service.settings import EngineSettings
 logger = logging.getLogger(__name__)
 
 GIB = 1024**3
+# vLLM's CPU default reserves 92% of the NUMA node's memory, which fails whenever anything
+# else runs on the node; a fixed KV cache starts reliably (2 GiB holds ~100k tokens of a 135M model).
+DEFAULT_CPU_KV_CACHE_GIB = 2.0
 
 
 @dataclass(frozen=True)
@@ -53,8 +56,11 @@ def engine_args(settings: EngineSettings, model_dir: Path) -> AsyncEngineArgs:
     }
     if settings.max_model_len is not None:
         args["max_model_len"] = settings.max_model_len
-    if settings.kv_cache_gib is not None:
-        args["kv_cache_memory_bytes"] = int(settings.kv_cache_gib * GIB)
+    kv_cache_gib = settings.kv_cache_gib
+    if kv_cache_gib is None and current_platform.is_cpu():
+        kv_cache_gib = DEFAULT_CPU_KV_CACHE_GIB
+    if kv_cache_gib is not None:
+        args["kv_cache_memory_bytes"] = int(kv_cache_gib * GIB)
     args.update(settings.extra_engine_args)
     return AsyncEngineArgs(**args)
 
