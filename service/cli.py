@@ -78,6 +78,14 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     )
     add_option(
         parser,
+        "--structured-outputs-backend",
+        "STRUCTURED_OUTPUTS_BACKEND",
+        "xgrammar",
+        "backend for guided_* and response_format (xgrammar, guidance, outlines, "
+        "lm-format-enforcer); requests may name only this one",
+    )
+    add_option(
+        parser,
         "--engine-args",
         "ENGINE_ARGS",
         {},
@@ -123,6 +131,7 @@ def run_serve(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         kv_cache_gib=args.kv_cache_gib,
+        structured_outputs_backend=args.structured_outputs_backend,
         extra_engine_args=args.engine_args,
     )
     server_settings = ServerSettings(

@@ -14,6 +14,8 @@ from vllm.outputs import RequestOutput
 from vllm.utils.async_utils import merge_async_iterators
 from vllm.v1.engine.exceptions import EngineDeadError
 
+from service.beam_search import BeamSearchSettings, beam_search
+from service.constraints import constraint_field
 from service.engine import ServedModel
 from service.errors import (
     CompletionError,
@@ -32,7 +34,14 @@ from service.responses import (
     StreamAssembler,
     whole_response,
 )
-from service.sampling import is_greedy, requested_max_tokens, requested_n, sampling_params
+from service.sampling import (
+    beam_search_settings,
+    is_greedy,
+    requested_candidates,
+    requested_max_tokens,
+    requested_n,
+    sampling_params,
+)
 from service.validation import validate_request
 
 logger = logging.getLogger(__name__)
@@ -46,7 +55,9 @@ class CompletionHandler:
 
     async def complete(self, request: CompletionRequest) -> AsyncIterator[CompletionResponse]:
         """Yield the one whole response, or the stream chunks; raise CompletionError."""
-        prompts = validate_request(request, self.model.vocab_size)
+        prompts = validate_request(
+            request, self.model.vocab_size, self.model.structured_outputs_backend
+        )
         if request.model != self.model.name:
             raise ModelNotFoundError(request.model, self.model.name)
         add_special_tokens = (
@@ -58,15 +69,20 @@ class CompletionHandler:
         plan = ChoicePlan(
             prompts=prepared,
             n=requested_n(request),
+            candidates=requested_n(request)
+            if request.use_beam_search
+            else requested_candidates(request),
             echo=request.echo,
             keep_generated=requested_max_tokens(request) > 0,
+            logprobs=request.logprobs if request.HasField("logprobs") else None,
+            tokenizer=self.model.tokenizer,
         )
         slots = self.engine_requests(request, header.id, len(prepared))
         started = time.monotonic()
         request_ids = [slot.request_id for slot in slots]
         outcome = "error"
         try:
-            results = self.generate(prepared, slots)
+            results = self.generate(prepared, slots, constraint_field(request))
             if request.stream:
                 assembler = StreamAssembler(header, plan)
                 async for slot, result in results:
@@ -106,12 +122,20 @@ class CompletionHandler:
     def engine_requests(
         self, request: CompletionRequest, completion_id: str, prompt_count: int
     ) -> list[EngineSlot]:
-        """The engine requests that produce the choices: one per prompt with `n` sequences,
-        or, for greedy sampling (where vLLM requires n=1), `n` requests of one sequence."""
-        n = requested_n(request)
-        greedy_copies = n if is_greedy(request, self.model.default_sampling) else 1
+        """The engine requests that produce the candidates: one per prompt sampling them all,
+        or, for greedy sampling (where vLLM requires n=1), one request per candidate."""
+        if request.use_beam_search:
+            settings = beam_search_settings(request)
+            return [
+                EngineSlot(index, 0, f"{completion_id}-{index}", settings)
+                for index in range(prompt_count)
+            ]
+        candidates = requested_candidates(request)
+        greedy_copies = candidates if is_greedy(request, self.model.default_sampling) else 1
         try:
-            params = sampling_params(request, self.model.default_sampling, n // greedy_copies)
+            params = sampling_params(
+                request, self.model.default_sampling, candidates // greedy_copies
+            )
         except VLLMValidationError as error:
             raise RequestValidationError(
                 [FieldViolation((error.parameter or "body",), str(error), "value_error")]
@@ -123,17 +147,13 @@ class CompletionHandler:
         ]
 
     async def generate(
-        self, prompts: Sequence[PreparedPrompt], slots: Sequence[EngineSlot]
+        self,
+        prompts: Sequence[PreparedPrompt],
+        slots: Sequence[EngineSlot],
+        constraint: str | None,
     ) -> AsyncIterator[tuple[EngineSlot, RequestOutput]]:
         """Each engine request's outputs, interleaved as they come, engine errors translated."""
-        generators = [
-            self.model.engine.generate(
-                TokensPrompt(prompt_token_ids=prompts[slot.prompt_index].token_ids),
-                slot.params,
-                slot.request_id,
-            )
-            for slot in slots
-        ]
+        generators = [self.run(prompts[slot.prompt_index].token_ids, slot) for slot in slots]
         try:
             async for index, output in merge_async_iterators(*generators):
                 yield slots[index], output
@@ -143,8 +163,28 @@ class CompletionHandler:
             ) from error
         except CompletionError:
             raise
+        except VLLMValidationError as error:
+            # The engine checks constraints (regex dialect, schema features) on submission.
+            field = error.parameter or constraint or "body"
+            raise RequestValidationError(
+                [FieldViolation((field,), str(error), "value_error")]
+            ) from error
         except ValueError as error:
             raise InternalError(f"The engine rejected the request: {error}") from error
+
+    def run(self, prompt_ids: list[int], slot: EngineSlot) -> AsyncIterator[RequestOutput]:
+        if isinstance(slot.params, BeamSearchSettings):
+            return self.beams(prompt_ids, slot.request_id, slot.params)
+        return self.model.engine.generate(
+            TokensPrompt(prompt_token_ids=prompt_ids), slot.params, slot.request_id
+        )
+
+    async def beams(
+        self, prompt_ids: list[int], request_id: str, settings: BeamSearchSettings
+    ) -> AsyncIterator[RequestOutput]:
+        yield await beam_search(
+            self.model.engine, self.model.tokenizer, prompt_ids, request_id, settings
+        )
 
 
 async def final_outputs(

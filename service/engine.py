@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm import AsyncEngineArgs
+from vllm.config import StructuredOutputsConfig
 from vllm.platforms import current_platform
 from vllm.tokenizers import TokenizerLike
 from vllm.v1.engine.async_llm import AsyncLLM
@@ -21,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 GIB = 1024**3
 # vLLM's CPU default reserves 92% of the NUMA node's memory, which fails whenever anything
-# else runs on the node; a fixed KV cache starts reliably (2 GiB holds ~100k tokens of a 135M model).
+# else runs on the node; a fixed KV cache starts reliably (2 GiB: ~100k tokens of a 135M model).
 DEFAULT_CPU_KV_CACHE_GIB = 2.0
 
 
@@ -36,6 +37,7 @@ class ServedModel:
     vocab_size: int
     system_fingerprint: str
     default_sampling: dict[str, Any]
+    structured_outputs_backend: str
 
 
 def resolve_dtype(dtype: str) -> str:
@@ -53,6 +55,10 @@ def engine_args(settings: EngineSettings, model_dir: Path) -> AsyncEngineArgs:
         # torch.compile costs minutes at start on a CPU and buys little there.
         "enforce_eager": current_platform.is_cpu(),
         "disable_log_stats": True,
+        # vLLM runs one structured-output backend per engine; requests may only name it.
+        "structured_outputs_config": StructuredOutputsConfig(
+            backend=settings.structured_outputs_backend
+        ),
     }
     if settings.max_model_len is not None:
         args["max_model_len"] = settings.max_model_len
@@ -94,6 +100,7 @@ def start_engine(settings: EngineSettings) -> ServedModel:
         vocab_size=model_config.get_vocab_size(),
         system_fingerprint=fingerprint(args),
         default_sampling=model_config.get_diff_sampling_param(),
+        structured_outputs_backend=engine.vllm_config.structured_outputs_config.backend,
     )
     logger.info(
         "engine ready: max_model_len=%d vocab_size=%d", served.max_model_len, served.vocab_size

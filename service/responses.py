@@ -16,8 +16,11 @@ from llmcompletions.v2.completions_pb2 import (
 )
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import SamplingParams
+from vllm.tokenizers import TokenizerLike
 
+from service.beam_search import BeamSearchSettings
 from service.errors import CompletionError, utc_timestamp
+from service.logprobs import StepLogprobs, next_offset, token_logprobs
 from service.prompts import PreparedPrompt
 
 OBJECT_TYPE = "text_completion"
@@ -58,37 +61,90 @@ class EngineSlot:
     prompt_index: int
     first_choice: int
     request_id: str
-    params: SamplingParams
+    params: SamplingParams | BeamSearchSettings
+
+
+@dataclass(frozen=True)
+class ChoiceContent:
+    """What a choice (or one delta of it) shows: text, and the tokens behind it."""
+
+    text: str
+    token_ids: Sequence[int]
+    steps: Sequence[StepLogprobs]
+    generated_tokens: int  # counted in usage
 
 
 @dataclass(frozen=True)
 class ChoicePlan:
-    """How outputs become choices: `n` per prompt, echo, and whether generated text is kept."""
+    """How engine outputs become choices: `n` per prompt, echo, log-probabilities, and
+    whether generated text is kept (not for max_tokens 0: the engine's one token is dropped)."""
 
     prompts: list[PreparedPrompt]
     n: int
+    candidates: int  # best_of: sequences sampled per prompt, of which the n best are returned
     echo: bool
-    keep_generated: bool  # False for max_tokens 0: the engine's one token is dropped
+    keep_generated: bool
+    logprobs: int | None
+    tokenizer: TokenizerLike
 
     def index(self, slot: EngineSlot, output: CompletionOutput) -> int:
         return slot.prompt_index * self.n + slot.first_choice + output.index
 
-    def echoed(self, slot: EngineSlot) -> str:
-        return self.prompts[slot.prompt_index].text if self.echo else ""
+    def select(self, outputs: list[SlotOutput]) -> list[SlotOutput]:
+        """A prompt's outputs as its choices, in order: all of them, or for best_of the n
+        with the highest mean token log-probability, best first."""
+        if self.candidates <= self.n:
+            return sorted(outputs, key=lambda item: self.index(item.slot, item.output))
+        return sorted(outputs, key=lambda item: mean_logprob(item.output), reverse=True)[: self.n]
 
     def prompt_tokens(self) -> int:
         return sum(len(prompt.token_ids) for prompt in self.prompts)
 
-    def generated(self, output: CompletionOutput) -> tuple[str, int]:
-        """The output's text and token count as the caller sees them."""
-        if not self.keep_generated:
-            return "", 0
-        return output.text, len(output.token_ids)
+    def content(
+        self, slot: EngineSlot, result: RequestOutput, output: CompletionOutput, with_prompt: bool
+    ) -> ChoiceContent:
+        """The output as the caller sees it, the echoed prompt first when `with_prompt`."""
+        text, token_ids, steps, generated = "", [], [], 0
+        if with_prompt:
+            prompt = self.prompts[slot.prompt_index]
+            text, token_ids = prompt.text, list(prompt.token_ids)
+            steps = list(result.prompt_logprobs or [None] * len(token_ids))
+        if self.keep_generated:
+            text += output.text
+            token_ids += output.token_ids
+            steps += output.logprobs or [None] * len(output.token_ids)
+            generated = len(output.token_ids)
+        return ChoiceContent(text, token_ids, steps, generated)
 
     def finish_reason(self, output: CompletionOutput) -> str | None:
-        if not self.keep_generated:
-            return "length"
-        return output.finish_reason
+        if output.finish_reason is None:
+            return None
+        return output.finish_reason if self.keep_generated else "length"
+
+    def choice(
+        self, index: int, content: ChoiceContent, finish_reason: str | None, text_offset: int
+    ) -> Choice:
+        choice = Choice(index=index, text=content.text, finish_reason=finish_reason)
+        if self.logprobs is not None:
+            choice.logprobs.CopyFrom(
+                token_logprobs(
+                    content.token_ids, content.steps, self.logprobs, self.tokenizer, text_offset
+                )
+            )
+        return choice
+
+
+@dataclass(frozen=True)
+class SlotOutput:
+    """One sequence of an engine request's final output."""
+
+    slot: EngineSlot
+    result: RequestOutput
+    output: CompletionOutput
+
+
+def mean_logprob(output: CompletionOutput) -> float:
+    return (output.cumulative_logprob or 0.0) / max(len(output.token_ids), 1)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
@@ -104,21 +160,20 @@ def whole_response(
     plan: ChoicePlan,
     results: Sequence[tuple[EngineSlot, RequestOutput]],
 ) -> CompletionResponse:
-    """The one message of a non-streamed completion, from each engine request's final output."""
-    choices: list[Choice] = []
+    """The one message of a non-streamed completion, from each engine request's final output.
+    Usage counts every generated token, also of best_of candidates not returned."""
+    by_prompt: dict[int, list[SlotOutput]] = {}
     completion_tokens = 0
     for slot, result in results:
         for output in result.outputs:
-            text, token_count = plan.generated(output)
-            completion_tokens += token_count
-            choices.append(
-                Choice(
-                    index=plan.index(slot, output),
-                    text=plan.echoed(slot) + text,
-                    finish_reason=plan.finish_reason(output),
-                )
-            )
-    choices.sort(key=lambda choice: choice.index)
+            by_prompt.setdefault(slot.prompt_index, []).append(SlotOutput(slot, result, output))
+            completion_tokens += len(output.token_ids) if plan.keep_generated else 0
+    choices: list[Choice] = []
+    for prompt_index, outputs in sorted(by_prompt.items()):
+        for position, item in enumerate(plan.select(outputs)):
+            content = plan.content(item.slot, item.result, item.output, with_prompt=plan.echo)
+            index = prompt_index * plan.n + position
+            choices.append(plan.choice(index, content, plan.finish_reason(item.output), 0))
     return header.message(choices, usage(plan.prompt_tokens(), completion_tokens))
 
 
@@ -129,24 +184,31 @@ class StreamAssembler:
     header: ResponseHeader
     plan: ChoicePlan
     echo_sent: set[int] = field(default_factory=set)
+    text_offsets: dict[int, int] = field(default_factory=dict)
     completion_tokens: int = 0
 
     def chunks(self, slot: EngineSlot, result: RequestOutput) -> list[CompletionResponse]:
         return [
-            chunk for output in result.outputs if (chunk := self.chunk(slot, output)) is not None
+            chunk
+            for output in result.outputs
+            if (chunk := self.chunk(slot, result, output)) is not None
         ]
 
-    def chunk(self, slot: EngineSlot, output: CompletionOutput) -> CompletionResponse | None:
+    def chunk(
+        self, slot: EngineSlot, result: RequestOutput, output: CompletionOutput
+    ) -> CompletionResponse | None:
         index = self.plan.index(slot, output)
-        text, token_count = self.plan.generated(output)
-        finish_reason = self.plan.finish_reason(output) if output.finished() else None
-        self.completion_tokens += token_count
-        if self.plan.echo and index not in self.echo_sent:
-            self.echo_sent.add(index)
-            text = self.plan.echoed(slot) + text
-        if not text and finish_reason is None:
-            return None  # nothing a caller could see, e.g. text held back for a stop string
-        return self.header.message([Choice(index=index, text=text, finish_reason=finish_reason)])
+        with_prompt = self.plan.echo and index not in self.echo_sent
+        self.echo_sent.add(index)
+        content = self.plan.content(slot, result, output, with_prompt)
+        self.completion_tokens += content.generated_tokens
+        finish_reason = self.plan.finish_reason(output)
+        if not content.token_ids and finish_reason is None:
+            return None  # nothing a caller could see
+        offset = self.text_offsets.get(index, 0)
+        choice = self.plan.choice(index, content, finish_reason, offset)
+        self.text_offsets[index] = next_offset(choice.logprobs, offset)
+        return self.header.message([choice])
 
     def usage_chunk(self) -> CompletionResponse:
         return self.header.message((), usage(self.plan.prompt_tokens(), self.completion_tokens))

@@ -8,6 +8,9 @@ from google.protobuf import struct_pb2
 from llmcompletions.v2.completions_pb2 import CompletionRequest
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
+from service.beam_search import BeamSearchSettings, EarlyStopping
+from service.constraints import structured_outputs
+
 DEFAULT_MAX_TOKENS = 16
 
 # Request fields passed to SamplingParams under the same name when the caller set them.
@@ -48,6 +51,11 @@ def requested_n(request: CompletionRequest) -> int:
     return request.n if request.HasField("n") else 1
 
 
+def requested_candidates(request: CompletionRequest) -> int:
+    """Sequences sampled per prompt: best_of, else n."""
+    return request.best_of if request.HasField("best_of") else requested_n(request)
+
+
 def is_greedy(request: CompletionRequest, model_defaults: dict[str, Any]) -> bool:
     temperature = (
         request.temperature
@@ -82,10 +90,40 @@ def sampling_params(
         params["stop_token_ids"] = list(request.stop_token_ids)
     if request.logit_bias:
         params["logit_bias"] = dict(request.logit_bias)
+    constraint = structured_outputs(request)
+    if constraint is not None:
+        params["structured_outputs"] = constraint
+    if requested_candidates(request) > requested_n(request) and "logprobs" not in params:
+        params["logprobs"] = 0  # ranking best_of candidates needs their log-probabilities
+    if request.echo and request.HasField("logprobs"):
+        params["prompt_logprobs"] = request.logprobs
     max_tokens = requested_max_tokens(request)
     return SamplingParams.from_optional(
         **params,
         n=n,
         max_tokens=max(max_tokens, 1),
         output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
+    )
+
+
+def early_stopping(value: struct_pb2.Value) -> EarlyStopping:
+    kind = value.WhichOneof("kind")
+    if kind == "bool_value":
+        return value.bool_value
+    if kind == "string_value":
+        return value.string_value  # validated: "never"
+    return False
+
+
+def beam_search_settings(request: CompletionRequest) -> BeamSearchSettings:
+    return BeamSearchSettings(
+        width=requested_candidates(request),
+        returned=requested_n(request),
+        max_tokens=max(requested_max_tokens(request), 1),
+        length_penalty=request.length_penalty if request.HasField("length_penalty") else 1.0,
+        early_stopping=early_stopping(request.early_stopping),
+        ignore_eos=request.ignore_eos,
+        skip_special_tokens=(
+            request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        ),
     )

@@ -16,6 +16,7 @@ class EngineSettings:
     dtype: str = "auto"  # "auto" means float32 on a CPU
     max_model_len: int | None = None
     kv_cache_gib: float | None = None
+    structured_outputs_backend: str = "xgrammar"
     extra_engine_args: dict[str, Any] = field(default_factory=dict)
 
 

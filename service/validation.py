@@ -53,7 +53,9 @@ class Violations:
         self.items.append(FieldViolation(loc=loc, msg=msg, type=type_))
 
 
-def validate_request(request: CompletionRequest, vocab_size: int) -> list[PromptInput]:
+def validate_request(
+    request: CompletionRequest, vocab_size: int, structured_outputs_backend: str
+) -> list[PromptInput]:
     """Return the request's prompts, or raise RequestValidationError listing every violation."""
     found = Violations()
     if not request.model:
@@ -65,6 +67,7 @@ def validate_request(request: CompletionRequest, vocab_size: int) -> list[Prompt
     check_token_ids(request, vocab_size, found)
     check_early_stopping(request, found)
     check_output_constraints(request, found)
+    check_backend(request, structured_outputs_backend, found)
     check_streaming(request, found)
     if request.HasField("suffix") and request.suffix:
         found.add(("suffix",), "suffix is not supported: this server does not insert text")
@@ -220,6 +223,23 @@ def check_output_constraints(request: CompletionRequest, found: Violations) -> N
                 found.add(
                     ("guided_choice", index), "each guided_choice must be a string", "string_type"
                 )
+
+
+def check_backend(request: CompletionRequest, available: str, found: Violations) -> None:
+    if request.HasField("guided_regex"):
+        try:
+            re.compile(request.guided_regex)
+        except (re.error, RecursionError, OverflowError) as error:
+            found.add(("guided_regex",), f"guided_regex does not compile: {error}", "value_error")
+    if not request.HasField("guided_decoding_backend"):
+        return
+    if request.guided_decoding_backend not in (available, ""):
+        found.add(
+            ("guided_decoding_backend",),
+            f"guided_decoding_backend {request.guided_decoding_backend!r} is not available; "
+            f"this server runs: {available}",
+            "literal_error",
+        )
 
 
 def check_response_format(request: CompletionRequest, found: Violations) -> None:

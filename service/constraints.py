@@ -1,0 +1,77 @@
+"""Output constraints: the request's guided_* fields and response_format as vLLM's
+StructuredOutputsParams."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from google.protobuf import json_format, struct_pb2
+from llmcompletions.v2.completions_pb2 import CompletionRequest
+from outlines_core.json_schema import build_regex_from_schema
+from vllm.sampling_params import StructuredOutputsParams
+
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+JSON_RESPONSE_FORMATS = ("json_object", "json_schema")
+
+
+def json_value(message: struct_pb2.Struct) -> dict[str, Any]:
+    """A Struct as plain JSON. Struct stores every number as a double; whole numbers become
+    integers again, as schema keywords such as maxLength must be (and JSON does not tell)."""
+    return restore_integers(json_format.MessageToDict(message))
+
+
+def restore_integers(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {key: restore_integers(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [restore_integers(item) for item in value]
+    return value
+
+
+def constraint_field(request: CompletionRequest) -> str | None:
+    """The request field that carries its output constraint, if any."""
+    for name in GUIDED_FIELDS:
+        if request.HasField(name):
+            return name
+    if (
+        request.HasField("response_format")
+        and request.response_format.type in JSON_RESPONSE_FORMATS
+    ):
+        return "response_format"
+    return None
+
+
+def json_constraint(schema: dict[str, Any], whitespace: str | None) -> StructuredOutputsParams:
+    """A JSON-schema constraint. vLLM's backends ignore a whitespace pattern, so with one the
+    schema becomes the equivalent regular expression, built with that pattern."""
+    if whitespace is None:
+        return StructuredOutputsParams(json=schema)
+    regex = build_regex_from_schema(json.dumps(schema), whitespace_pattern=whitespace)
+    return StructuredOutputsParams(regex=regex)
+
+
+def structured_outputs(request: CompletionRequest) -> StructuredOutputsParams | None:
+    whitespace = (
+        request.guided_whitespace_pattern if request.HasField("guided_whitespace_pattern") else None
+    )
+    field = constraint_field(request)
+    if field == "guided_json":
+        return json_constraint(json_value(request.guided_json), whitespace)
+    if field == "guided_regex":
+        return StructuredOutputsParams(regex=request.guided_regex)
+    if field == "guided_choice":
+        choices = [value.string_value for value in request.guided_choice.values]
+        return StructuredOutputsParams(choice=choices)
+    if field == "guided_grammar":
+        return StructuredOutputsParams(grammar=request.guided_grammar)
+    if field == "response_format":
+        response_format = request.response_format
+        if response_format.type == "json_object":
+            if whitespace is None:
+                return StructuredOutputsParams(json_object=True)
+            return json_constraint({"type": "object"}, whitespace)
+        return json_constraint(json_value(response_format.json_schema.schema), whitespace)
+    return None

@@ -1,0 +1,52 @@
+"""Beam search: `use_beam_search` with its width, `length_penalty` and `early_stopping`."""
+
+from __future__ import annotations
+
+import httpx
+
+from tests.helpers import body, complete, post
+
+CHAT = "<|im_start|>user\nName a fruit.<|im_end|>\n<|im_start|>assistant\n"
+
+
+def total_logprob(choice: dict) -> float:
+    return sum(choice["logprobs"]["token_logprobs"])
+
+
+def test_beams_are_distinct_best_first_and_beat_greedy(rest: httpx.Client) -> None:
+    fixed_length = {"prompt": "The best fruit is", "max_tokens": 6, "ignore_eos": True}
+    greedy = complete(rest, logprobs=0, **fixed_length)["choices"][0]
+    beams = complete(
+        rest, use_beam_search=True, n=3, best_of=4, length_penalty=0, logprobs=0, **fixed_length
+    )["choices"]
+    assert [choice["index"] for choice in beams] == [0, 1, 2]
+    assert len({choice["text"] for choice in beams}) == 3
+    scores = [total_logprob(choice) for choice in beams]
+    assert scores == sorted(scores, reverse=True)
+    assert scores[0] >= total_logprob(greedy) - 1e-4
+
+
+def test_length_penalty_changes_which_beams_win(rest: httpx.Client) -> None:
+    request = {"prompt": CHAT, "max_tokens": 24, "use_beam_search": True, "n": 1, "best_of": 4}
+    short = complete(rest, length_penalty=-2.0, **request)["usage"]["completion_tokens"]
+    long = complete(rest, length_penalty=2.0, **request)["usage"]["completion_tokens"]
+    assert short < long
+
+
+def test_early_stopping_forms(rest: httpx.Client) -> None:
+    request = {"prompt": CHAT, "max_tokens": 24, "use_beam_search": True, "n": 2, "best_of": 3}
+    lengths = {}
+    for value in (True, False, "never"):
+        result = complete(rest, early_stopping=value, **request)
+        assert len(result["choices"]) == 2
+        lengths[str(value)] = result["usage"]["completion_tokens"]
+    assert lengths["True"] <= lengths["never"]
+    refused = post(rest, body(prompt=CHAT, use_beam_search=True, early_stopping="sometimes"))
+    assert refused.status_code == 422
+    assert refused.json()["detail"][0]["loc"] == ["body", "early_stopping"]
+
+
+def test_beam_search_cannot_be_streamed(rest: httpx.Client) -> None:
+    response = post(rest, body(prompt=CHAT, use_beam_search=True, stream=True))
+    assert response.status_code == 422
+    assert "cannot be streamed" in response.json()["detail"][0]["msg"]
