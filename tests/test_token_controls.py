@@ -7,6 +7,7 @@ from transformers import PreTrainedTokenizerBase
 
 from tests.helpers import CAPITAL_PROMPT, body, complete, post
 
+
 def token_id(tokenizer: PreTrainedTokenizerBase, text: str) -> int:
     ids = tokenizer(text, add_special_tokens=False).input_ids
     assert len(ids) == 1, f"{text!r} is not one token"
