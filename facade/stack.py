@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,13 +82,20 @@ class Stack:
 
     def wait_ready(self, timeout: float) -> None:
         """Block until the service reports SERVING and Envoy is live."""
+        self.wait_until(lambda: self.service_serving() and self.envoy_ready(), timeout)
+
+    def wait_ready_service(self, timeout: float) -> None:
+        """Block until the service reports SERVING (for a stack without Envoy)."""
+        self.wait_until(self.service_serving, timeout)
+
+    def wait_until(self, ready: Callable[[], bool], timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.check_alive()
-            if self.service_serving() and self.envoy_ready():
+            if ready():
                 return
             time.sleep(1.0)
-        raise StackError(f"the stack was not ready within {timeout:.0f}s")
+        raise StackError(f"not ready within {timeout:.0f}s")
 
     def check_alive(self) -> None:
         for process in self.processes:
