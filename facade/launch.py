@@ -19,11 +19,20 @@ FACADE_DIR = Path(__file__).resolve().parent
 ENVOY_TEMPLATE = FACADE_DIR.parent / "envoy.yaml"
 LUA_FILE = FACADE_DIR / "completions.lua"
 DESCRIPTOR_FILE = FACADE_DIR / "completions.pb"
+OPENAPI_FILE = FACADE_DIR / "openapi.json"
+
+
+def connection_manager(config: dict[str, Any]) -> dict[str, Any]:
+    listener = config["static_resources"]["listeners"][0]
+    return listener["filter_chains"][0]["filters"][0]["typed_config"]
 
 
 def http_filters(config: dict[str, Any]) -> list[dict[str, Any]]:
-    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-    return manager["typed_config"]["http_filters"]
+    return connection_manager(config)["http_filters"]
+
+
+def routes(config: dict[str, Any]) -> list[dict[str, Any]]:
+    return connection_manager(config)["route_config"]["virtual_hosts"][0]["routes"]
 
 
 def filter_config(config: dict[str, Any], name: str) -> dict[str, Any]:
@@ -53,6 +62,10 @@ def render_config(
     )
     transcoder = filter_config(config, "envoy.filters.http.grpc_json_transcoder")
     transcoder["proto_descriptor"] = str(DESCRIPTOR_FILE)
+    for route in routes(config):
+        body = route.get("direct_response", {}).get("body", {})
+        if "filename" in body:
+            body["filename"] = str(OPENAPI_FILE)
     cluster = config["static_resources"]["clusters"][0]
     cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
         {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}

@@ -5,17 +5,20 @@ Usage: python proto/generate.py [--out-root DIR]
 Outputs (relative to the repository root, or to --out-root for drift checks):
   service/generated/llmcompletions/v2/completions_pb2{.py,.pyi,_grpc.py}
   facade/completions.pb   (descriptor set with imports, for the gRPC-JSON transcoder)
+  facade/openapi.json     (the REST surface as OpenAPI 3.1, served by Envoy)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 import grpc_tools
 from google.api import annotations_pb2
 from grpc_tools import protoc
+from openapi import openapi_document
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = REPO_ROOT / "proto"
@@ -24,6 +27,8 @@ PROTO_FILES = ["llmcompletions/v2/completions.proto"]
 RPC_STATUS_PROTOS = ["google/rpc/status.proto", "google/rpc/error_details.proto"]
 PYTHON_OUT = Path("service/generated")
 DESCRIPTOR_OUT = Path("facade/completions.pb")
+OPENAPI_OUT = Path("facade/openapi.json")
+API_VERSION = "v2"
 
 
 def include_paths() -> list[str]:
@@ -64,6 +69,9 @@ def generate(out_root: Path) -> None:
     )
     for package_dir in (python_out / "llmcompletions", python_out / "llmcompletions" / "v2"):
         (package_dir / "__init__.py").touch()
+    (python_out / "llmcompletions" / "py.typed").touch()
+    document = openapi_document(descriptor_out.read_bytes(), API_VERSION)
+    (out_root / OPENAPI_OUT).write_text(json.dumps(document, indent=2) + "\n")
 
 
 def main() -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -16,8 +15,7 @@ from typing import Any
 
 from service import __version__
 from service.default_model import DEFAULT_SERVED_MODEL_NAME
-
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+from service.logs import configure_logging
 
 
 def add_option(
@@ -27,11 +25,26 @@ def add_option(
     default: Any,
     help_text: str,
     convert: Callable[[str], Any] = str,
+    secret: bool = False,
 ) -> None:
     raw = os.environ.get(env)
     value = convert(raw) if raw not in (None, "") else default
+    shown = "unset" if secret else "%(default)s"  # a key from the environment is never printed
     parser.add_argument(
-        flag, default=value, type=convert, help=f"{help_text} [env {env}; default: %(default)s]"
+        flag, default=value, type=convert, help=f"{help_text} [env {env}; default: {shown}]"
+    )
+
+
+def log_format(text: str) -> str:
+    if text not in ("plain", "json"):
+        raise argparse.ArgumentTypeError("must be plain or json")
+    return text
+
+
+def add_switch(parser: argparse.ArgumentParser, flag: str, env: str, help_text: str) -> None:
+    enabled = os.environ.get(env, "").lower() in ("1", "true", "yes", "on")
+    parser.add_argument(
+        flag, action="store_true", default=enabled, help=f"{help_text} [env {env}=1; default: off]"
     )
 
 
@@ -101,10 +114,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     add_option(parser, "--log-level", "LOG_LEVEL", "INFO", "logging level")
+    add_option(
+        parser, "--log-format", "LOG_FORMAT", "plain", "log lines as plain text or json", log_format
+    )
     commands = parser.add_subparsers(dest="command")
     serve = commands.add_parser("serve", help="run the gRPC server (the default command)")
     add_option(serve, "--host", "GRPC_HOST", "127.0.0.1", "address the gRPC server listens on")
     add_option(serve, "--port", "GRPC_PORT", 50051, "gRPC port", int)
+    add_option(
+        serve,
+        "--api-key",
+        "API_KEY",
+        None,
+        "require `authorization: Bearer <key>` on completion calls (health and reflection "
+        "stay open)",
+        secret=True,
+    )
+    add_option(serve, "--metrics-host", "METRICS_HOST", "127.0.0.1", "Prometheus endpoint address")
+    add_option(serve, "--metrics-port", "METRICS_PORT", 9400, "Prometheus endpoint port", int)
+    add_switch(serve, "--log-prompts", "LOG_PROMPTS", "log prompts and outputs in request lines")
     add_option(
         serve,
         "--shutdown-grace",
@@ -135,7 +163,13 @@ def run_serve(args: argparse.Namespace) -> int:
         extra_engine_args=args.engine_args,
     )
     server_settings = ServerSettings(
-        host=args.host, port=args.port, shutdown_grace_seconds=args.shutdown_grace
+        host=args.host,
+        port=args.port,
+        shutdown_grace_seconds=args.shutdown_grace,
+        api_key=args.api_key,
+        metrics_host=args.metrics_host,
+        metrics_port=args.metrics_port,
+        log_prompts=args.log_prompts,
     )
     return asyncio.run(serve(server_settings, engine_settings))
 
@@ -157,6 +191,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     } & set(argv):
         argv = ["serve", *argv]
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    configure_logging(args.log_level, args.log_format)
     command = run_prepare_model if args.command == "prepare-model" else run_serve
     sys.exit(command(args))

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator, Sequence
 
-from llmcompletions.v2.completions_pb2 import CompletionRequest, CompletionResponse
+from llmcompletions.v2.completions_pb2 import CreateCompletionRequest, CreateCompletionResponse
 from vllm.exceptions import VLLMValidationError
 from vllm.inputs import TokensPrompt
 from vllm.outputs import RequestOutput
+from vllm.tokenizers import TokenizerLike
 from vllm.utils.async_utils import merge_async_iterators
 from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -26,6 +25,7 @@ from service.errors import (
     ModelNotFoundError,
     RequestValidationError,
 )
+from service.observability import RequestRecord
 from service.prompts import PreparedPrompt, prepare_prompts
 from service.responses import (
     ChoicePlan,
@@ -53,8 +53,11 @@ class CompletionHandler:
     def __init__(self, model: ServedModel) -> None:
         self.model = model
 
-    async def complete(self, request: CompletionRequest) -> AsyncIterator[CompletionResponse]:
-        """Yield the one whole response, or the stream chunks; raise CompletionError."""
+    async def complete(
+        self, request: CreateCompletionRequest, record: RequestRecord
+    ) -> AsyncIterator[CreateCompletionResponse]:
+        """Yield the one whole response, or the stream chunks; raise CompletionError.
+        Token counts go into `record` as they become known."""
         prompts = validate_request(
             request, self.model.vocab_size, self.model.structured_outputs_backend
         )
@@ -66,51 +69,28 @@ class CompletionHandler:
         prepared = prepare_prompts(prompts, self.model.tokenizer, add_special_tokens)
         self.check_context_length(prepared, requested_max_tokens(request))
         header = ResponseHeader.new(self.model.name, self.model.system_fingerprint)
-        plan = ChoicePlan(
-            prompts=prepared,
-            n=requested_n(request),
-            candidates=requested_n(request)
-            if request.use_beam_search
-            else requested_candidates(request),
-            echo=request.echo,
-            keep_generated=requested_max_tokens(request) > 0,
-            logprobs=request.logprobs if request.HasField("logprobs") else None,
-            tokenizer=self.model.tokenizer,
+        plan = choice_plan(request, prepared, self.model.tokenizer)
+        record.prompt_tokens = plan.prompt_tokens()
+        # The engine request ids carry the request id, so engine logs can be matched to it.
+        slots = self.engine_requests(
+            request, f"{record.request_id}-{header.id[-8:]}", len(prepared)
         )
-        slots = self.engine_requests(request, header.id, len(prepared))
-        started = time.monotonic()
-        request_ids = [slot.request_id for slot in slots]
-        outcome = "error"
         try:
             results = self.generate(prepared, slots, constraint_field(request))
             if request.stream:
                 assembler = StreamAssembler(header, plan)
                 async for slot, result in results:
                     for chunk in assembler.chunks(slot, result):
+                        record.completion_tokens = assembler.completion_tokens
                         yield chunk
                 if request.stream_options.include_usage:
                     yield assembler.usage_chunk()
             else:
-                yield whole_response(header, plan, await final_outputs(results, slots))
-            outcome = "ok"
-        except (GeneratorExit, asyncio.CancelledError):
-            outcome = "cancelled"
-            raise
+                response = whole_response(header, plan, await final_outputs(results, slots))
+                record.completion_tokens = response.usage.completion_tokens
+                yield response
         finally:
-            await self.model.engine.abort(request_ids)  # no-op for finished requests
-            logger.info(
-                "request id=%s model=%s user=%r prompts=%d prompt_tokens=%d stream=%s "
-                "outcome=%s latency=%.3fs engine_unfinished=%d",
-                header.id,
-                self.model.name,
-                request.user,
-                len(prepared),
-                plan.prompt_tokens(),
-                request.stream,
-                outcome,
-                time.monotonic() - started,
-                self.model.engine.get_num_unfinished_requests(),
-            )
+            await self.model.engine.abort([slot.request_id for slot in slots])  # no-op if done
 
     def check_context_length(self, prompts: Sequence[PreparedPrompt], max_tokens: int) -> None:
         for prompt in prompts:
@@ -120,14 +100,14 @@ class CompletionHandler:
                 )
 
     def engine_requests(
-        self, request: CompletionRequest, completion_id: str, prompt_count: int
+        self, request: CreateCompletionRequest, id_prefix: str, prompt_count: int
     ) -> list[EngineSlot]:
         """The engine requests that produce the candidates: one per prompt sampling them all,
         or, for greedy sampling (where vLLM requires n=1), one request per candidate."""
         if request.use_beam_search:
             settings = beam_search_settings(request)
             return [
-                EngineSlot(index, 0, f"{completion_id}-{index}", settings)
+                EngineSlot(index, 0, f"{id_prefix}-{index}", settings)
                 for index in range(prompt_count)
             ]
         candidates = requested_candidates(request)
@@ -141,7 +121,7 @@ class CompletionHandler:
                 [FieldViolation((error.parameter or "body",), str(error), "value_error")]
             ) from error
         return [
-            EngineSlot(prompt_index, copy, f"{completion_id}-{prompt_index}-{copy}", params)
+            EngineSlot(prompt_index, copy, f"{id_prefix}-{prompt_index}-{copy}", params)
             for prompt_index in range(prompt_count)
             for copy in range(greedy_copies)
         ]
@@ -185,6 +165,22 @@ class CompletionHandler:
         yield await beam_search(
             self.model.engine, self.model.tokenizer, prompt_ids, request_id, settings
         )
+
+
+def choice_plan(
+    request: CreateCompletionRequest, prompts: list[PreparedPrompt], tokenizer: TokenizerLike
+) -> ChoicePlan:
+    n = requested_n(request)
+    return ChoicePlan(
+        prompts=prompts,
+        n=n,
+        # Beam search returns its n best beams already ranked.
+        candidates=n if request.use_beam_search else requested_candidates(request),
+        echo=request.echo,
+        keep_generated=requested_max_tokens(request) > 0,
+        logprobs=request.logprobs if request.HasField("logprobs") else None,
+        tokenizer=tokenizer,
+    )
 
 
 async def final_outputs(

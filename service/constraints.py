@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from google.protobuf import json_format, struct_pb2
-from llmcompletions.v2.completions_pb2 import CompletionRequest
+from llmcompletions.v2.completions_pb2 import CreateCompletionRequest
 from outlines_core.json_schema import build_regex_from_schema
 from vllm.sampling_params import StructuredOutputsParams
 
@@ -31,7 +31,7 @@ def restore_integers(value: Any) -> Any:
     return value
 
 
-def constraint_field(request: CompletionRequest) -> str | None:
+def constraint_field(request: CreateCompletionRequest) -> str | None:
     """The request field that carries its output constraint, if any."""
     for name in GUIDED_FIELDS:
         if request.HasField(name):
@@ -53,7 +53,7 @@ def json_constraint(schema: dict[str, Any], whitespace: str | None) -> Structure
     return StructuredOutputsParams(regex=regex)
 
 
-def structured_outputs(request: CompletionRequest) -> StructuredOutputsParams | None:
+def structured_outputs(request: CreateCompletionRequest) -> StructuredOutputsParams | None:
     whitespace = (
         request.guided_whitespace_pattern if request.HasField("guided_whitespace_pattern") else None
     )

@@ -54,7 +54,8 @@ def engine_args(settings: EngineSettings, model_dir: Path) -> AsyncEngineArgs:
         "dtype": resolve_dtype(settings.dtype),
         # torch.compile costs minutes at start on a CPU and buys little there.
         "enforce_eager": current_platform.is_cpu(),
-        "disable_log_stats": True,
+        # Stats feed vLLM's Prometheus metrics (vllm:*), served with ours.
+        "disable_log_stats": False,
         # vLLM runs one structured-output backend per engine; requests may only name it.
         "structured_outputs_config": StructuredOutputsConfig(
             backend=settings.structured_outputs_backend
@@ -90,6 +91,8 @@ def start_engine(settings: EngineSettings) -> ServedModel:
         settings.served_model_name,
         args.dtype,
     )
+    # The periodic throughput log line would drown the one-line-per-request log.
+    logging.getLogger("vllm.v1.metrics.loggers").setLevel(logging.WARNING)
     engine = AsyncLLM.from_engine_args(args)
     model_config = engine.model_config
     served = ServedModel(

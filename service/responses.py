@@ -1,4 +1,4 @@
-"""Assembly of CompletionResponse messages (whole responses, stream chunks) from engine outputs."""
+"""Assembly of completion responses (whole responses, stream chunks) from engine outputs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from llmcompletions.v2.completions_pb2 import (
     Choice,
-    CompletionResponse,
+    CreateCompletionResponse,
     StreamError,
     StreamErrorContent,
     Usage,
@@ -41,8 +41,8 @@ class ResponseHeader:
 
     def message(
         self, choices: Sequence[Choice] = (), usage: Usage | None = None
-    ) -> CompletionResponse:
-        return CompletionResponse(
+    ) -> CreateCompletionResponse:
+        return CreateCompletionResponse(
             id=self.id,
             object=OBJECT_TYPE,
             created=self.created,
@@ -159,7 +159,7 @@ def whole_response(
     header: ResponseHeader,
     plan: ChoicePlan,
     results: Sequence[tuple[EngineSlot, RequestOutput]],
-) -> CompletionResponse:
+) -> CreateCompletionResponse:
     """The one message of a non-streamed completion, from each engine request's final output.
     Usage counts every generated token, also of best_of candidates not returned."""
     by_prompt: dict[int, list[SlotOutput]] = {}
@@ -187,7 +187,7 @@ class StreamAssembler:
     text_offsets: dict[int, int] = field(default_factory=dict)
     completion_tokens: int = 0
 
-    def chunks(self, slot: EngineSlot, result: RequestOutput) -> list[CompletionResponse]:
+    def chunks(self, slot: EngineSlot, result: RequestOutput) -> list[CreateCompletionResponse]:
         return [
             chunk
             for output in result.outputs
@@ -196,7 +196,7 @@ class StreamAssembler:
 
     def chunk(
         self, slot: EngineSlot, result: RequestOutput, output: CompletionOutput
-    ) -> CompletionResponse | None:
+    ) -> CreateCompletionResponse | None:
         index = self.plan.index(slot, output)
         with_prompt = self.plan.echo and index not in self.echo_sent
         self.echo_sent.add(index)
@@ -210,13 +210,13 @@ class StreamAssembler:
         self.text_offsets[index] = next_offset(choice.logprobs, offset)
         return self.header.message([choice])
 
-    def usage_chunk(self) -> CompletionResponse:
+    def usage_chunk(self) -> CreateCompletionResponse:
         return self.header.message((), usage(self.plan.prompt_tokens(), self.completion_tokens))
 
 
-def stream_error_chunk(error: CompletionError) -> CompletionResponse:
+def stream_error_chunk(error: CompletionError) -> CreateCompletionResponse:
     """The reference's stream error chunk: only `error` set."""
-    return CompletionResponse(
+    return CreateCompletionResponse(
         error=StreamError(
             status_code=error.http_status,
             content=StreamErrorContent(error=error.message, timestamp=utc_timestamp()),

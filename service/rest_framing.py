@@ -9,12 +9,12 @@ ends an event stream with an empty message that the facade rewrites to `data: [D
 from __future__ import annotations
 
 import grpc
-from llmcompletions.v2.completions_pb2 import CompletionResponse
+from llmcompletions.v2.completions_pb2 import CreateCompletionResponse
 
 # Envoy's transcoder sets this on every request it transcodes from REST.
 TRANSCODED_MARKER = "x-envoy-original-path"
 FRAMING_HEADER = "x-response-framing"
-END_OF_EVENTS = CompletionResponse()
+END_OF_EVENTS = CreateCompletionResponse()
 
 
 def is_transcoded(context: grpc.aio.ServicerContext) -> bool:

@@ -1,11 +1,11 @@
-"""Translation of a validated CompletionRequest into vLLM's SamplingParams."""
+"""Translation of a validated CreateCompletionRequest into vLLM's SamplingParams."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from google.protobuf import struct_pb2
-from llmcompletions.v2.completions_pb2 import CompletionRequest
+from llmcompletions.v2.completions_pb2 import CreateCompletionRequest
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
 from service.beam_search import BeamSearchSettings, EarlyStopping
@@ -34,7 +34,7 @@ OPTIONAL_PASSTHROUGH = (
 GREEDY_TEMPERATURE = 1e-5  # vLLM samples greedily below this
 
 
-def requested_max_tokens(request: CompletionRequest) -> int:
+def requested_max_tokens(request: CreateCompletionRequest) -> int:
     return request.max_tokens if request.HasField("max_tokens") else DEFAULT_MAX_TOKENS
 
 
@@ -47,16 +47,16 @@ def stop_strings(stop: struct_pb2.Value) -> list[str] | None:
     return None
 
 
-def requested_n(request: CompletionRequest) -> int:
+def requested_n(request: CreateCompletionRequest) -> int:
     return request.n if request.HasField("n") else 1
 
 
-def requested_candidates(request: CompletionRequest) -> int:
+def requested_candidates(request: CreateCompletionRequest) -> int:
     """Sequences sampled per prompt: best_of, else n."""
     return request.best_of if request.HasField("best_of") else requested_n(request)
 
 
-def is_greedy(request: CompletionRequest, model_defaults: dict[str, Any]) -> bool:
+def is_greedy(request: CreateCompletionRequest, model_defaults: dict[str, Any]) -> bool:
     temperature = (
         request.temperature
         if request.HasField("temperature")
@@ -66,7 +66,7 @@ def is_greedy(request: CompletionRequest, model_defaults: dict[str, Any]) -> boo
 
 
 def sampling_params(
-    request: CompletionRequest, model_defaults: dict[str, Any], n: int
+    request: CreateCompletionRequest, model_defaults: dict[str, Any], n: int
 ) -> SamplingParams:
     """SamplingParams for one engine request of `n` sequences.
 
@@ -115,7 +115,7 @@ def early_stopping(value: struct_pb2.Value) -> EarlyStopping:
     return False
 
 
-def beam_search_settings(request: CompletionRequest) -> BeamSearchSettings:
+def beam_search_settings(request: CreateCompletionRequest) -> BeamSearchSettings:
     return BeamSearchSettings(
         width=requested_candidates(request),
         returned=requested_n(request),

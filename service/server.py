@@ -11,14 +11,18 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from llmcompletions.v2 import completions_pb2, completions_pb2_grpc
 
+from service.auth import ApiKeyInterceptor
 from service.completions import CompletionHandler
 from service.engine import ServedModel, start_engine
+from service.observability import serve_metrics, watch_engine_gauges
 from service.servicer import CompletionServicer
 from service.settings import EngineSettings, ServerSettings
 
 logger = logging.getLogger(__name__)
 
 COMPLETION_SERVICE = completions_pb2.DESCRIPTOR.services_by_name["CompletionService"].full_name
+COMPLETION_METHOD = f"/{COMPLETION_SERVICE}/CreateCompletion"
+ENGINE_CHECK_SECONDS = 1.0
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -33,14 +37,18 @@ class ServiceState:
 def build_server(
     settings: ServerSettings, state: ServiceState
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    interceptors = []
+    if settings.api_key:
+        interceptors.append(ApiKeyInterceptor(settings.api_key, frozenset({COMPLETION_METHOD})))
     server = grpc.aio.server(
+        interceptors=interceptors,
         options=[
             ("grpc.max_receive_message_length", settings.max_message_bytes),
             ("grpc.max_send_message_length", settings.max_message_bytes),
-        ]
+        ],
     )
     completions_pb2_grpc.add_CompletionServiceServicer_to_server(
-        CompletionServicer(lambda: state.handler), server
+        CompletionServicer(lambda: state.handler, settings.log_prompts), server
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -64,6 +72,8 @@ async def serve(server_settings: ServerSettings, engine_settings: EngineSettings
     """Run until SIGINT or SIGTERM; return the process exit code."""
     state = ServiceState()
     server, health_servicer = build_server(server_settings, state)
+    if server_settings.metrics_port is not None:
+        serve_metrics(server_settings.metrics_host, server_settings.metrics_port)
     await server.start()
     await set_health(health_servicer, NOT_SERVING)
     logger.info(
@@ -88,9 +98,13 @@ async def serve(server_settings: ServerSettings, engine_settings: EngineSettings
             exit_code = 1
     if model is not None:
         state.handler = CompletionHandler(model)
+        watch_engine_gauges(model.engine)
         await set_health(health_servicer, SERVING)
         logger.info("serving model %s", model.name)
-        await stopping
+        if await until_stopped_or_engine_dead(model, stopping):
+            logger.error("the engine died: refusing new requests and exiting for a restart")
+            state.handler = None
+            exit_code = 1
 
     logger.info("shutting down: draining for up to %.0fs", server_settings.shutdown_grace_seconds)
     await set_health(health_servicer, NOT_SERVING)
@@ -99,3 +113,12 @@ async def serve(server_settings: ServerSettings, engine_settings: EngineSettings
         model.engine.shutdown()
     logger.info("stopped")
     return exit_code
+
+
+async def until_stopped_or_engine_dead(model: ServedModel, stopping: asyncio.Future) -> bool:
+    """Wait for a stop signal; True if the engine died first."""
+    while not stopping.done():
+        if model.engine.errored:
+            return True
+        await asyncio.wait({stopping}, timeout=ENGINE_CHECK_SECONDS)
+    return False

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 
 import grpc
+from google.protobuf import json_format
 from grpc_status import rpc_status
 from llmcompletions.v2 import completions_pb2_grpc
-from llmcompletions.v2.completions_pb2 import CompletionRequest, CompletionResponse
+from llmcompletions.v2.completions_pb2 import CreateCompletionRequest, CreateCompletionResponse
 
 from service.completions import CompletionHandler
 from service.errors import (
@@ -17,56 +19,87 @@ from service.errors import (
     InternalError,
     rest_error_metadata,
 )
+from service.observability import RequestRecord
+from service.request_identity import REQUEST_ID_HEADER, request_id
 from service.responses import stream_error_chunk
 from service.rest_framing import END_OF_EVENTS, framing_metadata, is_transcoded
 
 logger = logging.getLogger(__name__)
 
 
+METHOD = "CreateCompletion"
+
+
 class CompletionServicer(completions_pb2_grpc.CompletionServiceServicer):
-    def __init__(self, handler: Callable[[], CompletionHandler | None]) -> None:
+    def __init__(self, handler: Callable[[], CompletionHandler | None], log_prompts: bool) -> None:
         self._handler = handler  # None until the engine is ready
+        self._log_prompts = log_prompts
 
     async def CreateCompletion(
-        self, request: CompletionRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[CompletionResponse]:
+        self, request: CreateCompletionRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[CreateCompletionResponse]:
         transcoded = is_transcoded(context)
+        record = self.record(request, request_id(context))
+        identity = ((REQUEST_ID_HEADER, record.request_id),)
         sent_any = False
         failure: CompletionError | None = None
         try:
-            async for message in self.handler().complete(request):
-                if not sent_any and transcoded:
-                    await context.send_initial_metadata(framing_metadata(request.stream))
+            async for message in self.handler().complete(request, record):
+                if not sent_any:
+                    framing = framing_metadata(request.stream) if transcoded else ()
+                    await context.send_initial_metadata(identity + framing)
                 sent_any = True
+                record.message_sent(message)
                 yield message
         except CompletionError as error:
             failure = error
+        except (asyncio.CancelledError, GeneratorExit):
+            record.finish("CANCELLED")
+            raise
         except Exception:
-            logger.exception("unexpected error in CreateCompletion")
+            logger.exception("unexpected error in %s (request %s)", METHOD, record.request_id)
             failure = InternalError("Internal error; the server log has the details.")
         if failure is None:
+            record.finish("OK")
             if transcoded and request.stream:
                 yield END_OF_EVENTS
             return
+        record.finish(failure.grpc_code.name)
         if sent_any:
             # After the first message an error travels in-band, then ends the call.
             yield stream_error_chunk(failure)
             await context.abort(failure.grpc_code, failure.message)
-        await abort_before_output(context, failure, transcoded)
+        await abort_before_output(context, failure, transcoded, identity)
+
+    def record(self, request: CreateCompletionRequest, request_id: str) -> RequestRecord:
+        prompts = None
+        if self._log_prompts:
+            prompts = [json_format.MessageToJson(request.prompt, indent=None)]
+        return RequestRecord(
+            request_id=request_id,
+            method=METHOD,
+            model=request.model,
+            user=request.user,
+            stream=request.stream,
+            prompts=prompts,
+        )
 
     def handler(self) -> CompletionHandler:
         handler = self._handler()
         if handler is None:
-            raise EngineUnavailableError("The engine is still loading; retry shortly.")
+            raise EngineUnavailableError("The engine is not ready; retry shortly.")
         return handler
 
 
 async def abort_before_output(
-    context: grpc.aio.ServicerContext, error: CompletionError, transcoded: bool
+    context: grpc.aio.ServicerContext,
+    error: CompletionError,
+    transcoded: bool,
+    extra: tuple[tuple[str, str], ...] = (),
 ) -> None:
     """End the call with the error's status, its details and, for REST, its HTTP form."""
     status = rpc_status.to_status(error.rpc_status())
-    metadata = tuple(status.trailing_metadata)
+    metadata = tuple(status.trailing_metadata) + extra
     if transcoded:
         metadata += rest_error_metadata(error)
     await context.abort(status.code, status.details, trailing_metadata=metadata)

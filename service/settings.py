@@ -28,3 +28,7 @@ class ServerSettings:
     port: int = 50051
     shutdown_grace_seconds: float = 30.0
     max_message_bytes: int = 16 * 1024 * 1024
+    api_key: str | None = None  # when set, completion calls need `authorization: Bearer <key>`
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = 9400  # None: no metrics endpoint
+    log_prompts: bool = False

@@ -1,4 +1,4 @@
-"""Checks a CompletionRequest against every limit of CONTRACT.md, collecting all violations."""
+"""Checks a completion request against every limit of CONTRACT.md, collecting all violations."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 
 from google.protobuf import struct_pb2
-from llmcompletions.v2.completions_pb2 import CompletionRequest
+from llmcompletions.v2.completions_pb2 import CreateCompletionRequest
 
 from service.errors import FieldViolation, Loc, RequestValidationError
 from service.prompts import PromptFormError, PromptInput, parse_prompt
@@ -54,7 +54,7 @@ class Violations:
 
 
 def validate_request(
-    request: CompletionRequest, vocab_size: int, structured_outputs_backend: str
+    request: CreateCompletionRequest, vocab_size: int, structured_outputs_backend: str
 ) -> list[PromptInput]:
     """Return the request's prompts, or raise RequestValidationError listing every violation."""
     found = Violations()
@@ -77,7 +77,7 @@ def validate_request(
 
 
 def check_prompt(
-    request: CompletionRequest, vocab_size: int, found: Violations
+    request: CreateCompletionRequest, vocab_size: int, found: Violations
 ) -> list[PromptInput]:
     try:
         return parse_prompt(request.prompt if request.HasField("prompt") else None, vocab_size)
@@ -109,7 +109,7 @@ def range_violation(value: float, low: Bound | None, high: Bound | None) -> str 
     return None
 
 
-def check_numeric_ranges(request: CompletionRequest, found: Violations) -> None:
+def check_numeric_ranges(request: CreateCompletionRequest, found: Violations) -> None:
     for name, (low, high) in NUMERIC_RANGES.items():
         if not request.HasField(name):
             continue
@@ -119,7 +119,7 @@ def check_numeric_ranges(request: CompletionRequest, found: Violations) -> None:
             found.add((name,), f"{name} must be {describe_range(low, high)}, got {value:g}", broken)
 
 
-def check_counts(request: CompletionRequest, found: Violations) -> None:
+def check_counts(request: CreateCompletionRequest, found: Violations) -> None:
     max_tokens = requested_max_tokens(request)
     if request.HasField("min_tokens") and 0 <= max_tokens < request.min_tokens:
         found.add(
@@ -168,7 +168,7 @@ def token_id_problem(token_id: int, vocab_size: int) -> str | None:
     return f"token id must be in [0, {vocab_size - 1}] (the model's vocabulary), got {token_id}"
 
 
-def check_token_ids(request: CompletionRequest, vocab_size: int, found: Violations) -> None:
+def check_token_ids(request: CreateCompletionRequest, vocab_size: int, found: Violations) -> None:
     for index, token_id in enumerate(request.stop_token_ids):
         problem = token_id_problem(token_id, vocab_size)
         if problem:
@@ -185,7 +185,7 @@ def check_token_ids(request: CompletionRequest, vocab_size: int, found: Violatio
             )
 
 
-def check_early_stopping(request: CompletionRequest, found: Violations) -> None:
+def check_early_stopping(request: CreateCompletionRequest, found: Violations) -> None:
     if not request.HasField("early_stopping"):
         return
     value = request.early_stopping
@@ -197,7 +197,7 @@ def check_early_stopping(request: CompletionRequest, found: Violations) -> None:
     found.add(("early_stopping",), 'early_stopping must be true, false or "never"', "literal_error")
 
 
-def check_output_constraints(request: CompletionRequest, found: Violations) -> None:
+def check_output_constraints(request: CreateCompletionRequest, found: Violations) -> None:
     given = [
         name
         for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -225,7 +225,7 @@ def check_output_constraints(request: CompletionRequest, found: Violations) -> N
                 )
 
 
-def check_backend(request: CompletionRequest, available: str, found: Violations) -> None:
+def check_backend(request: CreateCompletionRequest, available: str, found: Violations) -> None:
     if request.HasField("guided_regex"):
         try:
             re.compile(request.guided_regex)
@@ -242,7 +242,7 @@ def check_backend(request: CompletionRequest, available: str, found: Violations)
         )
 
 
-def check_response_format(request: CompletionRequest, found: Violations) -> None:
+def check_response_format(request: CreateCompletionRequest, found: Violations) -> None:
     response_format = request.response_format
     if response_format.type not in RESPONSE_FORMAT_TYPES:
         found.add(
@@ -271,7 +271,7 @@ def check_response_format(request: CompletionRequest, found: Violations) -> None
         )
 
 
-def check_streaming(request: CompletionRequest, found: Violations) -> None:
+def check_streaming(request: CreateCompletionRequest, found: Violations) -> None:
     if request.stream:
         n = request.n if request.HasField("n") else 1
         if request.HasField("best_of") and request.best_of > n:

@@ -18,6 +18,9 @@ from service.default_model import DEFAULT_SERVED_MODEL_NAME, prepare_default_mod
 
 MODEL = DEFAULT_SERVED_MODEL_NAME
 MAX_MODEL_LEN = 2048
+API_KEY = "test-key-0123456789"
+AUTH_HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+GRPC_AUTH = (("authorization", f"Bearer {API_KEY}"),)
 ENGINE_START_TIMEOUT = 600
 
 
@@ -43,7 +46,16 @@ def stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         grpc_port=free_port(),
         http_port=free_port(),
         admin_port=free_port(),
-        service_args=["--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-gib", "1"],
+        service_args=[
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--kv-cache-gib",
+            "1",
+            "--api-key",
+            API_KEY,
+            "--metrics-port",
+            str(free_port()),
+        ],
         service_log=tmp_path_factory.mktemp("stack") / "service.log",
     )
     running.start()
@@ -56,7 +68,7 @@ def stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 @pytest.fixture(scope="session")
 def rest(stack: Stack) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=stack.base_url, timeout=120) as client:
+    with httpx.Client(base_url=stack.base_url, timeout=120, headers=AUTH_HEADERS) as client:
         yield client
 
 
@@ -68,4 +80,10 @@ def grpc_stub(stack: Stack) -> Iterator[completions_pb2_grpc.CompletionServiceSt
 
 @pytest.fixture(scope="session")
 def openai_client(stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.base_url}/v2", api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=f"{stack.base_url}/v2", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def metrics_url(stack: Stack) -> str:
+    port = stack.service_args[stack.service_args.index("--metrics-port") + 1]
+    return f"http://127.0.0.1:{port}/metrics"

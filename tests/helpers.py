@@ -8,9 +8,9 @@ from typing import Any
 import httpx
 from google.protobuf import json_format
 from llmcompletions.v2 import completions_pb2_grpc
-from llmcompletions.v2.completions_pb2 import CompletionRequest, CompletionResponse
+from llmcompletions.v2.completions_pb2 import CreateCompletionRequest, CreateCompletionResponse
 
-from tests.conftest import MODEL
+from tests.conftest import GRPC_AUTH, MODEL
 
 CAPITAL_PROMPT = "The capital of France is"
 
@@ -60,12 +60,12 @@ def streamed_texts(chunks: list[dict[str, Any]]) -> dict[int, str]:
     return texts
 
 
-def grpc_request(**fields: Any) -> CompletionRequest:
+def grpc_request(**fields: Any) -> CreateCompletionRequest:
     """The same JSON body as a gRPC request message."""
-    return json_format.ParseDict(body(**fields), CompletionRequest())
+    return json_format.ParseDict(body(**fields), CreateCompletionRequest())
 
 
 def grpc_complete(
     stub: completions_pb2_grpc.CompletionServiceStub, **fields: Any
-) -> list[CompletionResponse]:
-    return list(stub.CreateCompletion(grpc_request(**fields), timeout=120))
+) -> list[CreateCompletionResponse]:
+    return list(stub.CreateCompletion(grpc_request(**fields), timeout=120, metadata=GRPC_AUTH))

@@ -144,3 +144,12 @@ def test_greedy_n_gives_n_identical_choices(rest: httpx.Client) -> None:
     result = complete(rest, prompt=CAPITAL_PROMPT, max_tokens=6, n=3)
     assert [(c["index"], c["text"]) for c in result["choices"]] == [(i, single) for i in range(3)]
     assert result["usage"]["completion_tokens"] == 18
+
+
+def test_other_paths_and_methods_get_json_errors(rest: httpx.Client) -> None:
+    wrong_method = rest.get("/v2/completions")
+    assert wrong_method.status_code == 405
+    assert wrong_method.json() == {"detail": "Method Not Allowed"}
+    unknown = rest.post("/v1/nothing", json={})
+    assert unknown.status_code == 404
+    assert unknown.json() == {"detail": "Not Found"}

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class CompletionRequest(_message.Message):
+class CreateCompletionRequest(_message.Message):
     __slots__ = ("model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "logprobs", "echo", "stop", "presence_penalty", "frequency_penalty", "best_of", "logit_bias", "seed", "suffix", "user", "top_k", "min_p", "repetition_penalty", "use_beam_search", "length_penalty", "early_stopping", "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens", "spaces_between_special_tokens", "add_special_tokens", "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
@@ -121,7 +121,7 @@ class JsonSchema(_message.Message):
     strict: bool
     def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., schema: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., strict: _Optional[bool] = ...) -> None: ...
 
-class CompletionResponse(_message.Message):
+class CreateCompletionResponse(_message.Message):
     __slots__ = ("id", "object", "created", "model", "choices", "usage", "system_fingerprint", "error")
     ID_FIELD_NUMBER: _ClassVar[int]
     OBJECT_FIELD_NUMBER: _ClassVar[int]

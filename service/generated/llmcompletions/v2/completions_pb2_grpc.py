@@ -37,8 +37,8 @@ class CompletionServiceStub:
         """
         self.CreateCompletion = channel.unary_stream(
                 '/llmcompletions.v2.CompletionService/CreateCompletion',
-                request_serializer=llmcompletions_dot_v2_dot_completions__pb2.CompletionRequest.SerializeToString,
-                response_deserializer=llmcompletions_dot_v2_dot_completions__pb2.CompletionResponse.FromString,
+                request_serializer=llmcompletions_dot_v2_dot_completions__pb2.CreateCompletionRequest.SerializeToString,
+                response_deserializer=llmcompletions_dot_v2_dot_completions__pb2.CreateCompletionResponse.FromString,
                 _registered_method=True)
 
 
@@ -64,8 +64,8 @@ def add_CompletionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'CreateCompletion': grpc.unary_stream_rpc_method_handler(
                     servicer.CreateCompletion,
-                    request_deserializer=llmcompletions_dot_v2_dot_completions__pb2.CompletionRequest.FromString,
-                    response_serializer=llmcompletions_dot_v2_dot_completions__pb2.CompletionResponse.SerializeToString,
+                    request_deserializer=llmcompletions_dot_v2_dot_completions__pb2.CreateCompletionRequest.FromString,
+                    response_serializer=llmcompletions_dot_v2_dot_completions__pb2.CreateCompletionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -94,8 +94,8 @@ class CompletionService:
             request,
             target,
             '/llmcompletions.v2.CompletionService/CreateCompletion',
-            llmcompletions_dot_v2_dot_completions__pb2.CompletionRequest.SerializeToString,
-            llmcompletions_dot_v2_dot_completions__pb2.CompletionResponse.FromString,
+            llmcompletions_dot_v2_dot_completions__pb2.CreateCompletionRequest.SerializeToString,
+            llmcompletions_dot_v2_dot_completions__pb2.CreateCompletionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,182 @@
+"""Build the OpenAPI 3.1 document of the REST surface from the proto's descriptor set.
+
+Field names, types, presence (nullable) and descriptions come from the proto and its comments;
+the JSON unions that the proto holds as google.protobuf.Value get the forms the reference
+lists. proto/generate.py writes the result to facade/openapi.json, which Envoy serves at
+GET /openapi.json.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from google.protobuf import descriptor_pb2
+
+FieldProto = descriptor_pb2.FieldDescriptorProto
+JsonSchema = dict[str, Any]
+
+PROTO_FILE = "llmcompletions/v2/completions.proto"
+PACKAGE_PREFIX = ".llmcompletions.v2."
+MESSAGE_PATH = 4  # FileDescriptorProto.message_type
+FIELD_PATH = 2  # DescriptorProto.field
+
+SCALARS: dict[int, JsonSchema] = {
+    FieldProto.TYPE_STRING: {"type": "string"},
+    FieldProto.TYPE_BOOL: {"type": "boolean"},
+    FieldProto.TYPE_DOUBLE: {"type": "number"},
+    FieldProto.TYPE_INT32: {"type": "integer", "format": "int32"},
+    FieldProto.TYPE_UINT32: {"type": "integer", "format": "int32", "minimum": 0},
+    FieldProto.TYPE_INT64: {"type": "integer", "format": "int64"},
+}
+TOKEN_IDS: JsonSchema = {"type": "array", "items": {"type": "integer"}}
+STRINGS: JsonSchema = {"type": "array", "items": {"type": "string"}}
+# The reference's JSON unions and free-form values, which the proto holds as well-known types.
+VALUE_FIELDS: dict[str, JsonSchema] = {
+    "CreateCompletionRequest.prompt": {
+        "oneOf": [{"type": "string"}, STRINGS, TOKEN_IDS, {"type": "array", "items": TOKEN_IDS}]
+    },
+    "CreateCompletionRequest.stop": {
+        "oneOf": [{"type": "string"}, {**STRINGS, "maxItems": 4}, {"type": "null"}]
+    },
+    "CreateCompletionRequest.early_stopping": {
+        "oneOf": [{"type": "boolean"}, {"const": "never"}, {"type": "null"}]
+    },
+    "CreateCompletionRequest.guided_choice": {
+        "type": ["array", "null"],
+        "items": {"type": "string"},
+    },
+    "Logprobs.token_logprobs": {"type": "array", "items": {"type": ["number", "null"]}},
+    "Logprobs.top_logprobs": {
+        "type": "array",
+        "items": {"type": ["object", "null"], "additionalProperties": {"type": "number"}},
+    },
+}
+STRUCT = ".google.protobuf.Struct"
+REQUIRED = {"CreateCompletionRequest": ["model", "prompt"], "JsonSchema": ["name"]}
+ERROR_SCHEMAS: dict[str, JsonSchema] = {
+    "ValidationError": {
+        "type": "object",
+        "required": ["loc", "msg", "type"],
+        "properties": {
+            "loc": {"type": "array", "items": {"oneOf": [{"type": "string"}, {"type": "integer"}]}},
+            "msg": {"type": "string"},
+            "type": {"type": "string"},
+        },
+    },
+    "HTTPValidationError": {
+        "type": "object",
+        "properties": {
+            "detail": {"type": "array", "items": {"$ref": "#/components/schemas/ValidationError"}}
+        },
+    },
+    "ErrorDetail": {"type": "object", "properties": {"detail": {"type": "string"}}},
+}
+
+
+def leading_comments(file: descriptor_pb2.FileDescriptorProto) -> dict[tuple[int, ...], str]:
+    return {
+        tuple(location.path): " ".join(location.leading_comments.split())
+        for location in file.source_code_info.location
+        if location.leading_comments
+    }
+
+
+def field_schema(message: str, field: FieldProto, maps: dict[str, FieldProto]) -> JsonSchema:
+    key = f"{message}.{field.name}"
+    if key in VALUE_FIELDS:
+        return dict(VALUE_FIELDS[key])
+    if field.type_name in maps:
+        value = maps[field.type_name]
+        return {"type": ["object", "null"], "additionalProperties": SCALARS[value.type]}
+    if field.type_name == STRUCT:
+        schema: JsonSchema = {"type": ["object", "null"]}
+    elif field.type == FieldProto.TYPE_MESSAGE:
+        schema = {"$ref": f"#/components/schemas/{field.type_name.removeprefix(PACKAGE_PREFIX)}"}
+    else:
+        schema = dict(SCALARS[field.type])
+    if field.label == FieldProto.LABEL_REPEATED:
+        return {"type": "array", "items": schema}
+    if field.proto3_optional:
+        schema["type"] = [schema["type"], "null"]
+    return schema
+
+
+def message_schemas(file: descriptor_pb2.FileDescriptorProto) -> dict[str, JsonSchema]:
+    docs = leading_comments(file)
+    maps = {
+        f"{PACKAGE_PREFIX}{message.name}.{nested.name}": nested.field[1]
+        for message in file.message_type
+        for nested in message.nested_type
+        if nested.options.map_entry
+    }
+    schemas: dict[str, JsonSchema] = {}
+    for message_index, message in enumerate(file.message_type):
+        properties = {}
+        for field_index, field in enumerate(message.field):
+            schema = field_schema(message.name, field, maps)
+            doc = docs.get((MESSAGE_PATH, message_index, FIELD_PATH, field_index))
+            if doc:
+                schema["description"] = doc
+            properties[field.json_name] = schema
+        schemas[message.name] = {"type": "object", "properties": properties}
+        if message.name in REQUIRED:
+            schemas[message.name]["required"] = REQUIRED[message.name]
+        if doc := docs.get((MESSAGE_PATH, message_index)):
+            schemas[message.name]["description"] = doc
+    return schemas
+
+
+def json_response(schema: str, description: str) -> JsonSchema:
+    return {
+        "description": description,
+        "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}},
+    }
+
+
+def openapi_document(descriptor_set: bytes, version: str) -> JsonSchema:
+    files = descriptor_pb2.FileDescriptorSet.FromString(descriptor_set)
+    file = next(f for f in files.file if f.name == PROTO_FILE)
+    response = "#/components/schemas/CreateCompletionResponse"
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "LLM completions",
+            "version": version,
+            "description": "Scale LLM Engine's POST /v2/completions, served by vLLM over gRPC.",
+        },
+        "paths": {
+            "/v2/completions": {
+                "post": {
+                    "operationId": "createCompletion",
+                    "summary": "Creates completions for one or more prompts.",
+                    "requestBody": {
+                        "required": True,
+                        "content": {
+                            "application/json": {
+                                "schema": {"$ref": "#/components/schemas/CreateCompletionRequest"}
+                            }
+                        },
+                    },
+                    "responses": {
+                        "200": {
+                            "description": "The completion (stream false), or server-sent events"
+                            " of chunks ending with `data: [DONE]` (stream true).",
+                            "content": {
+                                "application/json": {"schema": {"$ref": response}},
+                                "text/event-stream": {"schema": {"type": "string"}},
+                            },
+                        },
+                        "400": json_response(
+                            "ErrorDetail", "Prompt and max_tokens exceed the context."
+                        ),
+                        "401": json_response("ErrorDetail", "Missing or wrong API key."),
+                        "404": json_response("ErrorDetail", "The model is not served here."),
+                        "422": json_response("HTTPValidationError", "Validation Error"),
+                        "429": json_response("ErrorDetail", "Too many requests in flight."),
+                        "503": json_response("ErrorDetail", "The engine is not ready."),
+                    },
+                }
+            }
+        },
+        "components": {"schemas": {**message_schemas(file), **ERROR_SCHEMAS}},
+    }

@@ -1,0 +1,177 @@
+"""A small typed client for CompletionService, synchronous and asynchronous.
+
+    from service.client import CompletionClient
+
+    with CompletionClient("127.0.0.1:50051") as client:
+        print(client.complete(model="smollm2-135m-instruct", prompt="Hello").choices[0].text)
+        for chunk in client.stream(model="smollm2-135m-instruct", prompt="Hello"):
+            print(chunk.choices[0].text, end="")
+
+Fields are the request's JSON fields as keyword arguments (`prompt` may be a string, a list
+of strings, a list of token ids or a list of token-id lists); a ready-made
+CreateCompletionRequest may be passed instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from types import TracebackType
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+from llmcompletions.v2 import completions_pb2_grpc
+from llmcompletions.v2.completions_pb2 import CreateCompletionRequest, CreateCompletionResponse
+
+Metadata = Sequence[tuple[str, str]]
+DEFAULT_TIMEOUT_SECONDS = 300.0
+
+
+def build_request(
+    request: CreateCompletionRequest | None = None, stream: bool = False, **fields: Any
+) -> CreateCompletionRequest:
+    built = CreateCompletionRequest()
+    if request is not None:
+        built.CopyFrom(request)
+    json_format.ParseDict(fields, built)
+    built.stream = stream
+    return built
+
+
+def call_metadata(api_key: str | None, metadata: Metadata) -> list[tuple[str, str]]:
+    headers = list(metadata)
+    if api_key is not None:
+        headers.append(("authorization", f"Bearer {api_key}"))
+    return headers
+
+
+class CompletionClient:
+    """Blocking client. Errors raise grpc.RpcError with the server's status and details."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        api_key: str | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT_SECONDS,
+        channel: grpc.Channel | None = None,
+    ) -> None:
+        self._channel = channel or grpc.insecure_channel(target)
+        self._stub = completions_pb2_grpc.CompletionServiceStub(self._channel)
+        self._api_key = api_key
+        self._timeout = timeout
+
+    def complete(
+        self,
+        request: CreateCompletionRequest | None = None,
+        *,
+        timeout: float | None = None,
+        metadata: Metadata = (),
+        **fields: Any,
+    ) -> CreateCompletionResponse:
+        """The whole completion (`stream` false): exactly one message."""
+        (response,) = self._stub.CreateCompletion(
+            build_request(request, stream=False, **fields),
+            timeout=timeout or self._timeout,
+            metadata=call_metadata(self._api_key, metadata),
+        )
+        return response
+
+    def stream(
+        self,
+        request: CreateCompletionRequest | None = None,
+        *,
+        timeout: float | None = None,
+        metadata: Metadata = (),
+        **fields: Any,
+    ) -> Iterator[CreateCompletionResponse]:
+        """Text deltas as they are generated (`stream` true)."""
+        yield from self._stub.CreateCompletion(
+            build_request(request, stream=True, **fields),
+            timeout=timeout or self._timeout,
+            metadata=call_metadata(self._api_key, metadata),
+        )
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> CompletionClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class AsyncCompletionClient:
+    """asyncio client (grpc.aio). Errors raise grpc.aio.AioRpcError."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        api_key: str | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT_SECONDS,
+        channel: grpc.aio.Channel | None = None,
+    ) -> None:
+        self._channel = channel or grpc.aio.insecure_channel(target)
+        self._stub = completions_pb2_grpc.CompletionServiceStub(self._channel)
+        self._api_key = api_key
+        self._timeout = timeout
+
+    async def complete(
+        self,
+        request: CreateCompletionRequest | None = None,
+        *,
+        timeout: float | None = None,
+        metadata: Metadata = (),
+        **fields: Any,
+    ) -> CreateCompletionResponse:
+        messages = [
+            message
+            async for message in self.stream_messages(
+                build_request(request, stream=False, **fields), timeout, metadata
+            )
+        ]
+        (response,) = messages
+        return response
+
+    async def stream(
+        self,
+        request: CreateCompletionRequest | None = None,
+        *,
+        timeout: float | None = None,
+        metadata: Metadata = (),
+        **fields: Any,
+    ) -> AsyncIterator[CreateCompletionResponse]:
+        async for message in self.stream_messages(
+            build_request(request, stream=True, **fields), timeout, metadata
+        ):
+            yield message
+
+    def stream_messages(
+        self, request: CreateCompletionRequest, timeout: float | None, metadata: Metadata
+    ) -> AsyncIterator[CreateCompletionResponse]:
+        return self._stub.CreateCompletion(
+            request,
+            timeout=timeout or self._timeout,
+            metadata=call_metadata(self._api_key, metadata),
+        )
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncCompletionClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.close()

@@ -1,0 +1,116 @@
+"""What each completion request leaves behind: one log line and Prometheus metrics.
+
+The engine's own metrics (vllm:*: queue, KV-cache use, engine-side latencies and token
+counts) are registered by vLLM in the same registry and served beside these.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmcompletions.v2.completions_pb2 import CreateCompletionResponse
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from vllm.v1.engine.async_llm import AsyncLLM
+
+logger = logging.getLogger("service.requests")
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+TOKEN_GAP_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+REQUESTS = Counter(
+    "llmcompletions_requests",
+    "Completion requests by gRPC method and final status",
+    ["method", "code"],
+)
+IN_FLIGHT = Gauge("llmcompletions_requests_in_flight", "Completion requests being served")
+REQUEST_SECONDS = Histogram(
+    "llmcompletions_request_duration_seconds",
+    "End-to-end latency of a completion request",
+    buckets=LATENCY_BUCKETS,
+)
+FIRST_MESSAGE_SECONDS = Histogram(
+    "llmcompletions_time_to_first_token_seconds",
+    "Time from the request to its first response message",
+    buckets=LATENCY_BUCKETS,
+)
+MESSAGE_GAP_SECONDS = Histogram(
+    "llmcompletions_inter_token_latency_seconds",
+    "Time between consecutive messages of a streamed completion",
+    buckets=TOKEN_GAP_BUCKETS,
+)
+PROMPT_TOKENS = Counter("llmcompletions_prompt_tokens", "Prompt tokens of served requests")
+COMPLETION_TOKENS = Counter(
+    "llmcompletions_completion_tokens", "Completion tokens generated for served requests"
+)
+
+
+ENGINE_UNFINISHED = Gauge(
+    "llmcompletions_engine_unfinished_requests",
+    "Requests the engine has not finished (running or queued), read when scraped",
+)
+
+
+def serve_metrics(host: str, port: int) -> None:
+    start_http_server(port, addr=host)
+    logger.info("metrics on http://%s:%d/metrics", host, port)
+
+
+def watch_engine_gauges(engine: AsyncLLM) -> None:
+    ENGINE_UNFINISHED.set_function(engine.get_num_unfinished_requests)
+
+
+@dataclass
+class RequestRecord:
+    """One request's facts, filled in as it is served."""
+
+    request_id: str
+    method: str
+    model: str
+    user: str
+    stream: bool
+    started: float = field(default_factory=time.monotonic)
+    first_message_at: float | None = None
+    last_message_at: float | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prompts: list[str] | None = None  # only kept when prompts are logged
+    output: str = ""
+
+    def __post_init__(self) -> None:
+        IN_FLIGHT.inc()
+
+    def message_sent(self, message: CreateCompletionResponse) -> None:
+        now = time.monotonic()
+        if self.prompts is not None:
+            self.output += "".join(choice.text for choice in message.choices)
+        if self.first_message_at is None:
+            self.first_message_at = now
+            FIRST_MESSAGE_SECONDS.observe(now - self.started)
+        elif self.stream and self.last_message_at is not None:
+            MESSAGE_GAP_SECONDS.observe(now - self.last_message_at)
+        self.last_message_at = now
+
+    def finish(self, code: str) -> None:
+        """Count the request once, with its final status, and write its log line."""
+        IN_FLIGHT.dec()
+        latency = time.monotonic() - self.started
+        REQUESTS.labels(self.method, code).inc()
+        REQUEST_SECONDS.observe(latency)
+        PROMPT_TOKENS.inc(self.prompt_tokens)
+        COMPLETION_TOKENS.inc(self.completion_tokens)
+        fields: dict[str, Any] = {
+            "request_id": self.request_id,
+            "model": self.model,
+            "user": self.user,
+            "stream": self.stream,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "latency_s": round(latency, 4),
+            "status": code,
+        }
+        if self.prompts is not None:
+            fields.update(prompts=self.prompts, output=self.output)
+        logger.info("request", extra={"fields": fields})

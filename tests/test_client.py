@@ -1,0 +1,73 @@
+"""What another service gets from installing the package: stubs with types, a typed client."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.resources
+
+import grpc
+import pytest
+
+from facade.stack import Stack
+from service.client import AsyncCompletionClient, CompletionClient
+from tests.conftest import API_KEY, MODEL
+from tests.helpers import CAPITAL_PROMPT
+
+
+def test_generated_modules_ship_with_type_stubs() -> None:
+    package = importlib.resources.files("llmcompletions")
+    assert (package / "py.typed").is_file()
+    assert (package / "v2" / "completions_pb2.pyi").is_file()
+    from llmcompletions.v2 import completions_pb2, completions_pb2_grpc
+
+    assert completions_pb2_grpc.CompletionServiceStub
+    assert completions_pb2.CreateCompletionRequest(model="m").model == "m"
+
+
+def test_sync_client_completes_and_streams(stack: Stack) -> None:
+    with CompletionClient(stack.grpc_target, api_key=API_KEY) as client:
+        whole = client.complete(model=MODEL, prompt=CAPITAL_PROMPT, max_tokens=6, temperature=0)
+        assert whole.choices[0].text.startswith(" Paris")
+        chunks = list(
+            client.stream(
+                model=MODEL,
+                prompt=CAPITAL_PROMPT,
+                max_tokens=6,
+                temperature=0,
+                metadata=[("x-request-id", "client-test")],
+            )
+        )
+        assert "".join(chunk.choices[0].text for chunk in chunks) == whole.choices[0].text
+
+
+def test_sync_client_deadline_and_errors(stack: Stack) -> None:
+    with CompletionClient(stack.grpc_target, api_key=API_KEY) as client:
+        with pytest.raises(grpc.RpcError) as raised:
+            client.complete(
+                model=MODEL, prompt="Count:", max_tokens=1000, ignore_eos=True, timeout=0.5
+            )
+        assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        with pytest.raises(grpc.RpcError) as raised:
+            client.complete(model=MODEL, prompt="Hi", temperature=7)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with CompletionClient(stack.grpc_target) as keyless, pytest.raises(grpc.RpcError) as raised:
+        keyless.complete(model=MODEL, prompt="Hi")
+    assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_async_client_completes_and_streams(stack: Stack) -> None:
+    async def run() -> tuple[str, str]:
+        async with AsyncCompletionClient(stack.grpc_target, api_key=API_KEY) as client:
+            whole = await client.complete(
+                model=MODEL, prompt=CAPITAL_PROMPT, max_tokens=6, temperature=0, timeout=60
+            )
+            streamed = [
+                chunk.choices[0].text
+                async for chunk in client.stream(
+                    model=MODEL, prompt=CAPITAL_PROMPT, max_tokens=6, temperature=0
+                )
+            ]
+            return whole.choices[0].text, "".join(streamed)
+
+    whole, streamed = asyncio.run(run())
+    assert whole.startswith(" Paris") and streamed == whole

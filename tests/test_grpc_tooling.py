@@ -1,0 +1,84 @@
+"""What an engineer with grpcurl sees: reflection, the streaming call, and health."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from facade.stack import Stack
+from tests.conftest import API_KEY, MODEL
+from tests.helpers import CAPITAL_PROMPT
+
+GRPCURL = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl")
+
+
+def grpcurl(
+    stack: Stack, *command: str, options: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
+    """`grpcurl -plaintext [options] ADDRESS command...`"""
+    full = [GRPCURL, "-plaintext", *options, stack.grpc_target, *command]
+    return subprocess.run(full, capture_output=True, text=True, timeout=120)
+
+
+def test_grpcurl_lists_services_without_a_key(stack: Stack) -> None:
+    listed = grpcurl(stack, "list")
+    assert listed.returncode == 0, listed.stderr
+    assert set(listed.stdout.split()) >= {
+        "llmcompletions.v2.CompletionService",
+        "grpc.health.v1.Health",
+    }
+
+
+def test_grpcurl_describes_the_method_and_request(stack: Stack) -> None:
+    method = grpcurl(stack, "describe", "llmcompletions.v2.CompletionService")
+    assert method.returncode == 0, method.stderr
+    assert "returns ( stream .llmcompletions.v2.CreateCompletionResponse )" in method.stdout
+    request = grpcurl(stack, "describe", "llmcompletions.v2.CreateCompletionRequest")
+    assert "google.protobuf.Value prompt" in request.stdout
+    assert "optional double temperature" in request.stdout
+
+
+def test_grpcurl_streams_a_completion(stack: Stack) -> None:
+    payload = json.dumps(
+        {
+            "model": MODEL,
+            "prompt": CAPITAL_PROMPT,
+            "max_tokens": 6,
+            "temperature": 0,
+            "stream": True,
+        }
+    )
+    called = grpcurl(
+        stack,
+        "llmcompletions.v2.CompletionService/CreateCompletion",
+        options=("-H", f"authorization: Bearer {API_KEY}", "-d", payload),
+    )
+    assert called.returncode == 0, called.stderr
+    messages = [
+        json.loads(block) for block in called.stdout.replace("}\n{", "}\n\x00{").split("\x00")
+    ]
+    assert len(messages) > 1
+    assert "".join(m["choices"][0]["text"] for m in messages).startswith(" Paris")
+
+
+def test_grpcurl_without_a_key_is_unauthenticated(stack: Stack) -> None:
+    payload = json.dumps({"model": MODEL, "prompt": CAPITAL_PROMPT})
+    called = grpcurl(
+        stack, "llmcompletions.v2.CompletionService/CreateCompletion", options=("-d", payload)
+    )
+    assert called.returncode != 0
+    assert "Unauthenticated" in called.stderr
+
+
+def test_health_reports_serving_without_a_key(stack: Stack) -> None:
+    with grpc.insecure_channel(stack.grpc_target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "llmcompletions.v2.CompletionService"):
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING

@@ -1,0 +1,49 @@
+"""Prometheus metrics move when requests are served."""
+
+from __future__ import annotations
+
+import httpx
+
+from tests.helpers import CAPITAL_PROMPT, body, complete, stream_chunks
+from tests.metrics import sample, scrape
+
+OK = {"method": "CreateCompletion", "code": "OK"}
+
+
+def test_metrics_move_after_requests(rest: httpx.Client, metrics_url: str) -> None:
+    before = scrape(metrics_url)
+    complete(rest, prompt=CAPITAL_PROMPT, max_tokens=4)
+    stream_chunks(rest, prompt=CAPITAL_PROMPT, max_tokens=4)
+    rest.post("/v2/completions", json=body(prompt="Hi", temperature=9))
+    after = scrape(metrics_url)
+
+    def grew(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert grew("llmcompletions_requests_total", **OK) == 2
+    assert (
+        grew("llmcompletions_requests_total", method="CreateCompletion", code="INVALID_ARGUMENT")
+        == 1
+    )
+    assert grew("llmcompletions_request_duration_seconds_count") == 3
+    assert grew("llmcompletions_time_to_first_token_seconds_count") == 2
+    assert grew("llmcompletions_inter_token_latency_seconds_count") >= 3
+    assert grew("llmcompletions_prompt_tokens_total") == 10
+    assert grew("llmcompletions_completion_tokens_total") == 8
+    assert sample(metrics_url, "llmcompletions_requests_in_flight") == 0
+    assert sample(metrics_url, "llmcompletions_engine_unfinished_requests") == 0
+
+
+def test_engine_metrics_are_exposed(rest: httpx.Client, metrics_url: str) -> None:
+    complete(rest, prompt=CAPITAL_PROMPT, max_tokens=2)
+    names = {name for name, _ in scrape(metrics_url)}
+    for engine_metric in (
+        "vllm:kv_cache_usage_perc",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:time_to_first_token_seconds_count",
+        "vllm:inter_token_latency_seconds_count",
+        "vllm:e2e_request_latency_seconds_count",
+    ):
+        assert engine_metric in names, engine_metric
