@@ -20,6 +20,7 @@ ENVOY_TEMPLATE = FACADE_DIR.parent / "envoy.yaml"
 LUA_FILE = FACADE_DIR / "completions.lua"
 DESCRIPTOR_FILE = FACADE_DIR / "completions.pb"
 OPENAPI_FILE = FACADE_DIR / "openapi.json"
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 
 
 def connection_manager(config: dict[str, Any]) -> dict[str, Any]:
@@ -51,17 +52,20 @@ def render_config(
     admin_port: int,
     upstreams: list[tuple[str, int]],
     listen_host: str = "127.0.0.1",
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> dict[str, Any]:
-    """envoy.yaml with ports, upstream endpoints and absolute file paths filled in."""
+    """envoy.yaml with ports, upstream endpoints, limits and absolute file paths filled in."""
     config = yaml.safe_load(ENVOY_TEMPLATE.read_text())
     config["admin"]["address"]["socket_address"]["port_value"] = admin_port
     listener = config["static_resources"]["listeners"][0]
     listener["address"]["socket_address"].update(address=listen_host, port_value=http_port)
+    listener["per_connection_buffer_limit_bytes"] = max_request_bytes
     filter_config(config, "envoy.filters.http.lua")["default_source_code"]["filename"] = str(
         LUA_FILE
     )
     transcoder = filter_config(config, "envoy.filters.http.grpc_json_transcoder")
     transcoder["proto_descriptor"] = str(DESCRIPTOR_FILE)
+    filter_config(config, "envoy.filters.http.buffer")["max_request_bytes"] = max_request_bytes
     for route in routes(config):
         body = route.get("direct_response", {}).get("body", {})
         if "filename" in body:
@@ -99,10 +103,19 @@ def main() -> None:
         action="append",
         help="gRPC service HOST:PORT; repeat for several replicas (default 127.0.0.1:$GRPC_PORT)",
     )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=int(os.environ.get("MAX_REQUEST_BYTES", DEFAULT_MAX_REQUEST_BYTES)),
+        help="larger REST bodies get 413",
+    )
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args()
     upstreams = args.upstream or [("127.0.0.1", int(os.environ.get("GRPC_PORT", 50051)))]
-    config_path = write_config(render_config(args.http_port, args.admin_port, upstreams))
+    config = render_config(
+        args.http_port, args.admin_port, upstreams, max_request_bytes=args.max_request_bytes
+    )
+    config_path = write_config(config)
     command = envoy_command(config_path, args.log_level)
     print(f"envoy: REST on 127.0.0.1:{args.http_port} -> gRPC {upstreams}", flush=True)
     os.execv(command[0], command)

@@ -16,6 +16,7 @@ from typing import Any
 from service import __version__
 from service.default_model import DEFAULT_SERVED_MODEL_NAME
 from service.logs import configure_logging
+from service.settings import RequestLimits
 
 
 def add_option(
@@ -107,6 +108,70 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_limit_options(parser: argparse.ArgumentParser) -> None:
+    defaults = RequestLimits()
+    add_option(
+        parser, "--max-in-flight", "MAX_IN_FLIGHT", 32, "completion requests served at once", int
+    )
+    add_option(
+        parser,
+        "--max-waiting",
+        "MAX_WAITING",
+        128,
+        "requests waiting for a turn; past it requests are refused (429)",
+        int,
+    )
+    add_option(
+        parser, "--max-prompts", "MAX_PROMPTS", defaults.max_prompts, "prompts per request", int
+    )
+    add_option(
+        parser,
+        "--max-choices",
+        "MAX_CHOICES",
+        defaults.max_choices,
+        "prompts x n (or best_of) per request",
+        int,
+    )
+    add_option(
+        parser,
+        "--max-prompt-tokens",
+        "MAX_PROMPT_TOKENS",
+        defaults.max_prompt_tokens,
+        "prompt tokens per request, over all prompts",
+        int,
+    )
+    add_option(
+        parser,
+        "--max-constraint-bytes",
+        "MAX_CONSTRAINT_BYTES",
+        defaults.max_constraint_bytes,
+        "size of a schema, regex, grammar or choices",
+        int,
+    )
+    add_option(
+        parser,
+        "--max-logit-bias",
+        "MAX_LOGIT_BIAS",
+        defaults.max_logit_bias,
+        "logit_bias entries per request",
+        int,
+    )
+    add_option(
+        parser,
+        "--max-message-bytes",
+        "MAX_MESSAGE_BYTES",
+        16 * 1024 * 1024,
+        "largest gRPC message received or sent",
+        int,
+    )
+    add_switch(
+        parser,
+        "--enable-fault-injection",
+        "ENABLE_FAULT_INJECTION",
+        "tests only: honour the x-inject-fault metadata",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llm-completions",
@@ -133,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_option(serve, "--metrics-host", "METRICS_HOST", "127.0.0.1", "Prometheus endpoint address")
     add_option(serve, "--metrics-port", "METRICS_PORT", 9400, "Prometheus endpoint port", int)
     add_switch(serve, "--log-prompts", "LOG_PROMPTS", "log prompts and outputs in request lines")
+    add_limit_options(serve)
     add_option(
         serve,
         "--shutdown-grace",
@@ -170,6 +236,17 @@ def run_serve(args: argparse.Namespace) -> int:
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
         log_prompts=args.log_prompts,
+        max_in_flight=args.max_in_flight,
+        max_waiting=args.max_waiting,
+        max_message_bytes=args.max_message_bytes,
+        limits=RequestLimits(
+            max_prompts=args.max_prompts,
+            max_choices=args.max_choices,
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_constraint_bytes=args.max_constraint_bytes,
+            max_logit_bias=args.max_logit_bias,
+        ),
+        fault_injection=args.enable_fault_injection,
     )
     return asyncio.run(serve(server_settings, engine_settings))
 

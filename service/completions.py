@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
 
@@ -11,7 +12,7 @@ from vllm.inputs import TokensPrompt
 from vllm.outputs import RequestOutput
 from vllm.tokenizers import TokenizerLike
 from vllm.utils.async_utils import merge_async_iterators
-from vllm.v1.engine.exceptions import EngineDeadError
+from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
 from service.beam_search import BeamSearchSettings, beam_search
 from service.constraints import constraint_field
@@ -25,6 +26,7 @@ from service.errors import (
     ModelNotFoundError,
     RequestValidationError,
 )
+from service.faults import failing_after
 from service.observability import RequestRecord
 from service.prompts import PreparedPrompt, prepare_prompts
 from service.responses import (
@@ -42,6 +44,7 @@ from service.sampling import (
     requested_n,
     sampling_params,
 )
+from service.settings import RequestLimits
 from service.validation import validate_request
 
 logger = logging.getLogger(__name__)
@@ -50,23 +53,32 @@ logger = logging.getLogger(__name__)
 class CompletionHandler:
     """Runs completion requests on one served model."""
 
-    def __init__(self, model: ServedModel) -> None:
+    def __init__(self, model: ServedModel, limits: RequestLimits) -> None:
         self.model = model
+        self.limits = limits
 
     async def complete(
-        self, request: CreateCompletionRequest, record: RequestRecord
+        self,
+        request: CreateCompletionRequest,
+        record: RequestRecord,
+        fail_after: int | None = None,
     ) -> AsyncIterator[CreateCompletionResponse]:
         """Yield the one whole response, or the stream chunks; raise CompletionError.
-        Token counts go into `record` as they become known."""
+        Token counts go into `record` as they become known. `fail_after` injects an engine
+        failure after that many engine outputs (tests only)."""
         prompts = validate_request(
-            request, self.model.vocab_size, self.model.structured_outputs_backend
+            request, self.model.vocab_size, self.model.structured_outputs_backend, self.limits
         )
         if request.model != self.model.name:
             raise ModelNotFoundError(request.model, self.model.name)
         add_special_tokens = (
             request.add_special_tokens if request.HasField("add_special_tokens") else True
         )
-        prepared = prepare_prompts(prompts, self.model.tokenizer, add_special_tokens)
+        # Off the event loop: a long prompt takes a while to tokenize.
+        prepared = await asyncio.to_thread(
+            prepare_prompts, prompts, self.model.tokenizer, add_special_tokens
+        )
+        check_prompt_tokens(prepared, self.limits.max_prompt_tokens)
         self.check_context_length(prepared, requested_max_tokens(request))
         header = ResponseHeader.new(self.model.name, self.model.system_fingerprint)
         plan = choice_plan(request, prepared, self.model.tokenizer)
@@ -76,7 +88,7 @@ class CompletionHandler:
             request, f"{record.request_id}-{header.id[-8:]}", len(prepared)
         )
         try:
-            results = self.generate(prepared, slots, constraint_field(request))
+            results = self.generate(prepared, slots, constraint_field(request), fail_after)
             if request.stream:
                 assembler = StreamAssembler(header, plan)
                 async for slot, result in results:
@@ -131,16 +143,22 @@ class CompletionHandler:
         prompts: Sequence[PreparedPrompt],
         slots: Sequence[EngineSlot],
         constraint: str | None,
+        fail_after: int | None = None,
     ) -> AsyncIterator[tuple[EngineSlot, RequestOutput]]:
         """Each engine request's outputs, interleaved as they come, engine errors translated."""
         generators = [self.run(prompts[slot.prompt_index].token_ids, slot) for slot in slots]
+        outputs = merge_async_iterators(*generators)
+        if fail_after is not None:
+            outputs = failing_after(outputs, fail_after)
         try:
-            async for index, output in merge_async_iterators(*generators):
+            async for index, output in outputs:
                 yield slots[index], output
         except EngineDeadError as error:
             raise EngineUnavailableError(
                 "The engine has stopped; retry on another replica."
             ) from error
+        except EngineGenerateError as error:
+            raise InternalError(f"The engine failed while generating: {error}") from error
         except CompletionError:
             raise
         except VLLMValidationError as error:
@@ -164,6 +182,20 @@ class CompletionHandler:
     ) -> AsyncIterator[RequestOutput]:
         yield await beam_search(
             self.model.engine, self.model.tokenizer, prompt_ids, request_id, settings
+        )
+
+
+def check_prompt_tokens(prompts: Sequence[PreparedPrompt], limit: int) -> None:
+    total = sum(len(prompt.token_ids) for prompt in prompts)
+    if total > limit:
+        raise RequestValidationError(
+            [
+                FieldViolation(
+                    ("prompt",),
+                    f"the prompts hold {total} tokens; at most {limit} are allowed per request",
+                    "too_long",
+                )
+            ]
         )
 
 

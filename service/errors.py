@@ -54,6 +54,10 @@ class CompletionError(Exception):
     def rest_body(self) -> dict[str, Any]:
         return {"detail": self.message}
 
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """Extra trailing metadata (headers through Envoy), e.g. a retry hint."""
+        return ()
+
     def status_details(self) -> list[any_pb2.Any]:
         return []
 

@@ -11,6 +11,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from llmcompletions.v2 import completions_pb2, completions_pb2_grpc
 
+from service.admission import Admission
 from service.auth import ApiKeyInterceptor
 from service.completions import CompletionHandler
 from service.engine import ServedModel, start_engine
@@ -48,7 +49,13 @@ def build_server(
         ],
     )
     completions_pb2_grpc.add_CompletionServiceServicer_to_server(
-        CompletionServicer(lambda: state.handler, settings.log_prompts), server
+        CompletionServicer(
+            lambda: state.handler,
+            Admission(settings.max_in_flight, settings.max_waiting),
+            log_prompts=settings.log_prompts,
+            fault_injection=settings.fault_injection,
+        ),
+        server,
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -97,7 +104,7 @@ async def serve(server_settings: ServerSettings, engine_settings: EngineSettings
             logger.exception("the engine failed to start; check --model and the engine arguments")
             exit_code = 1
     if model is not None:
-        state.handler = CompletionHandler(model)
+        state.handler = CompletionHandler(model, server_settings.limits)
         watch_engine_gauges(model.engine)
         await set_health(health_servicer, SERVING)
         logger.info("serving model %s", model.name)

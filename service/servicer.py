@@ -12,6 +12,7 @@ from grpc_status import rpc_status
 from llmcompletions.v2 import completions_pb2_grpc
 from llmcompletions.v2.completions_pb2 import CreateCompletionRequest, CreateCompletionResponse
 
+from service.admission import Admission
 from service.completions import CompletionHandler
 from service.errors import (
     CompletionError,
@@ -19,6 +20,7 @@ from service.errors import (
     InternalError,
     rest_error_metadata,
 )
+from service.faults import requested_fault
 from service.observability import RequestRecord
 from service.request_identity import REQUEST_ID_HEADER, request_id
 from service.responses import stream_error_chunk
@@ -31,9 +33,17 @@ METHOD = "CreateCompletion"
 
 
 class CompletionServicer(completions_pb2_grpc.CompletionServiceServicer):
-    def __init__(self, handler: Callable[[], CompletionHandler | None], log_prompts: bool) -> None:
+    def __init__(
+        self,
+        handler: Callable[[], CompletionHandler | None],
+        admission: Admission,
+        log_prompts: bool = False,
+        fault_injection: bool = False,
+    ) -> None:
         self._handler = handler  # None until the engine is ready
+        self._admission = admission
         self._log_prompts = log_prompts
+        self._fault_injection = fault_injection
 
     async def CreateCompletion(
         self, request: CreateCompletionRequest, context: grpc.aio.ServicerContext
@@ -43,14 +53,16 @@ class CompletionServicer(completions_pb2_grpc.CompletionServiceServicer):
         identity = ((REQUEST_ID_HEADER, record.request_id),)
         sent_any = False
         failure: CompletionError | None = None
+        fail_after = requested_fault(context) if self._fault_injection else None
         try:
-            async for message in self.handler().complete(request, record):
-                if not sent_any:
-                    framing = framing_metadata(request.stream) if transcoded else ()
-                    await context.send_initial_metadata(identity + framing)
-                sent_any = True
-                record.message_sent(message)
-                yield message
+            async with self._admission.slot():
+                async for message in self.handler().complete(request, record, fail_after):
+                    if not sent_any:
+                        framing = framing_metadata(request.stream) if transcoded else ()
+                        await context.send_initial_metadata(identity + framing)
+                    sent_any = True
+                    record.message_sent(message)
+                    yield message
         except CompletionError as error:
             failure = error
         except (asyncio.CancelledError, GeneratorExit):
@@ -68,7 +80,7 @@ class CompletionServicer(completions_pb2_grpc.CompletionServiceServicer):
         if sent_any:
             # After the first message an error travels in-band, then ends the call.
             yield stream_error_chunk(failure)
-            await context.abort(failure.grpc_code, failure.message)
+            await context.abort(failure.grpc_code, failure.message, failure.metadata())
         await abort_before_output(context, failure, transcoded, identity)
 
     def record(self, request: CreateCompletionRequest, request_id: str) -> RequestRecord:
@@ -99,7 +111,7 @@ async def abort_before_output(
 ) -> None:
     """End the call with the error's status, its details and, for REST, its HTTP form."""
     status = rpc_status.to_status(error.rpc_status())
-    metadata = tuple(status.trailing_metadata) + extra
+    metadata = tuple(status.trailing_metadata) + error.metadata() + extra
     if transcoded:
         metadata += rest_error_metadata(error)
     await context.abort(status.code, status.details, trailing_metadata=metadata)

@@ -21,6 +21,17 @@ class EngineSettings:
 
 
 @dataclass(frozen=True)
+class RequestLimits:
+    """Size limits on one request, each refused with a validation error naming the field."""
+
+    max_prompts: int = 64
+    max_choices: int = 256  # prompts x (best_of or n)
+    max_prompt_tokens: int = 65536  # over all prompts; each must also fit the context
+    max_constraint_bytes: int = 65536  # guided_json/schema, regex, grammar, choices
+    max_logit_bias: int = 1024
+
+
+@dataclass(frozen=True)
 class ServerSettings:
     """Where and how the gRPC server listens."""
 
@@ -32,3 +43,7 @@ class ServerSettings:
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = 9400  # None: no metrics endpoint
     log_prompts: bool = False
+    max_in_flight: int = 32
+    max_waiting: int = 128
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    fault_injection: bool = False  # tests only: honour x-inject-fault

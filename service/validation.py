@@ -12,12 +12,14 @@ from llmcompletions.v2.completions_pb2 import CreateCompletionRequest
 from service.errors import FieldViolation, Loc, RequestValidationError
 from service.prompts import PromptFormError, PromptInput, parse_prompt
 from service.sampling import requested_max_tokens
+from service.settings import RequestLimits
 
 MAX_STOP_STRINGS = 4
 MAX_BEST_OF = 20
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 EARLY_STOPPING_WORD = "never"
+DEFAULT_LIMITS = RequestLimits()
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,10 @@ class Violations:
 
 
 def validate_request(
-    request: CreateCompletionRequest, vocab_size: int, structured_outputs_backend: str
+    request: CreateCompletionRequest,
+    vocab_size: int,
+    structured_outputs_backend: str,
+    limits: RequestLimits = DEFAULT_LIMITS,
 ) -> list[PromptInput]:
     """Return the request's prompts, or raise RequestValidationError listing every violation."""
     found = Violations()
@@ -68,6 +73,7 @@ def validate_request(
     check_early_stopping(request, found)
     check_output_constraints(request, found)
     check_backend(request, structured_outputs_backend, found)
+    check_sizes(request, len(prompts), limits, found)
     check_streaming(request, found)
     if request.HasField("suffix") and request.suffix:
         found.add(("suffix",), "suffix is not supported: this server does not insert text")
@@ -239,6 +245,50 @@ def check_backend(request: CreateCompletionRequest, available: str, found: Viola
             f"guided_decoding_backend {request.guided_decoding_backend!r} is not available; "
             f"this server runs: {available}",
             "literal_error",
+        )
+
+
+def constraint_sizes(request: CreateCompletionRequest) -> dict[str, int]:
+    """The size in bytes of each output constraint the request carries."""
+    sizes = {
+        "guided_json": request.guided_json.ByteSize() if request.HasField("guided_json") else 0,
+        "guided_regex": len(request.guided_regex.encode()),
+        "guided_grammar": len(request.guided_grammar.encode()),
+        "guided_choice": request.guided_choice.ByteSize(),
+        "response_format": request.response_format.json_schema.schema.ByteSize(),
+    }
+    return {name: size for name, size in sizes.items() if size}
+
+
+def check_sizes(
+    request: CreateCompletionRequest, prompt_count: int, limits: RequestLimits, found: Violations
+) -> None:
+    if prompt_count > limits.max_prompts:
+        found.add(
+            ("prompt",),
+            f"at most {limits.max_prompts} prompts per request, got {prompt_count}",
+            "too_long",
+        )
+    candidates = request.best_of if request.HasField("best_of") else max(request.n, 1)
+    if prompt_count * candidates > limits.max_choices:
+        found.add(
+            ("n",),
+            f"prompts x {'best_of' if request.HasField('best_of') else 'n'} is "
+            f"{prompt_count * candidates}; at most {limits.max_choices} per request",
+            "too_long",
+        )
+    for name, size in constraint_sizes(request).items():
+        if size > limits.max_constraint_bytes:
+            found.add(
+                (name,),
+                f"{name} is {size} bytes; at most {limits.max_constraint_bytes}",
+                "too_long",
+            )
+    if len(request.logit_bias) > limits.max_logit_bias:
+        found.add(
+            ("logit_bias",),
+            f"at most {limits.max_logit_bias} logit_bias entries, got {len(request.logit_bias)}",
+            "too_long",
         )
 
 

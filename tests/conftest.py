@@ -19,6 +19,8 @@ from service.default_model import DEFAULT_SERVED_MODEL_NAME, prepare_default_mod
 MODEL = DEFAULT_SERVED_MODEL_NAME
 MAX_MODEL_LEN = 2048
 API_KEY = "test-key-0123456789"
+MAX_IN_FLIGHT = 16
+MAX_WAITING = 16
 AUTH_HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 GRPC_AUTH = (("authorization", f"Bearer {API_KEY}"),)
 ENGINE_START_TIMEOUT = 600
@@ -55,6 +57,11 @@ def stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             API_KEY,
             "--metrics-port",
             str(free_port()),
+            "--max-in-flight",
+            str(MAX_IN_FLIGHT),
+            "--max-waiting",
+            str(MAX_WAITING),
+            "--enable-fault-injection",
         ],
         service_log=tmp_path_factory.mktemp("stack") / "service.log",
     )
