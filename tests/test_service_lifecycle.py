@@ -26,7 +26,7 @@ from llmcompletions.v2 import completions_pb2_grpc
 
 from facade.stack import Stack
 from tests.conftest import ENGINE_START_TIMEOUT, free_port
-from tests.helpers import grpc_complete
+from tests.helpers import grpc_complete, grpc_request
 
 BOS_ID = 0
 BOS_MODEL = "smollm2-with-bos"
@@ -174,11 +174,23 @@ def test_json_request_log_lines_carry_prompts_when_asked(service: LifecycleServi
     assert last["output"] == result.choices[0].text
 
 
-def test_sigterm_turns_health_not_serving_and_exits_cleanly(service: LifecycleService) -> None:
+def test_sigterm_drains_streams_in_flight_then_exits_cleanly(service: LifecycleService) -> None:
+    in_flight = service.stub.CreateCompletion(
+        grpc_request(model=BOS_MODEL, prompt="Count:", max_tokens=60, ignore_eos=True, stream=True),
+        timeout=120,
+    )
+    first = next(in_flight)
     seen = len(service.health.statuses)
     service.process.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 10
     while NOT_SERVING not in service.health.statuses[seen:]:
         assert time.monotonic() < deadline, service.health.statuses
         time.sleep(0.05)
+    with pytest.raises(grpc.RpcError) as refused:
+        grpc_complete(service.stub, model=BOS_MODEL, prompt="Hi", max_tokens=1)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    rest = list(in_flight)
+    tokens = len(first.choices) + sum(len(chunk.choices) for chunk in rest)
+    assert tokens == 60, "the stream in flight must finish"
+    assert rest[-1].choices[0].finish_reason == "length"
     assert service.process.wait(timeout=60) == 0
