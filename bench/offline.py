@@ -1,0 +1,41 @@
+"""The ceiling: offline LLM.generate on the same requests, in its own process.
+
+Usage: python -m bench.offline MODEL_DIR INPUT_LEN OUTPUT_LEN NUM_PROMPTS  (prints JSON)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from bench.servers import ENGINE_ARGS
+
+GIB = 1024**3
+
+
+def main() -> None:
+    model_dir, input_len, output_len, num_prompts = sys.argv[1], *map(int, sys.argv[2:5])
+    from vllm import LLM, SamplingParams
+    from vllm.benchmarks.datasets import RandomDataset
+
+    llm = LLM(
+        model=model_dir,
+        dtype=ENGINE_ARGS["dtype"],
+        enforce_eager=True,
+        max_model_len=ENGINE_ARGS["max_model_len"],
+        kv_cache_memory_bytes=int(ENGINE_ARGS["kv_cache_gib"] * GIB),
+    )
+    requests = RandomDataset(random_seed=0).sample(
+        llm.get_tokenizer(), num_prompts, input_len=input_len, output_len=output_len
+    )
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    started = time.perf_counter()
+    outputs = llm.generate([r.prompt for r in requests], params, use_tqdm=False)
+    duration = time.perf_counter() - started
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print(json.dumps({"output_throughput": tokens / duration, "duration": duration}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""The servers under test, started with the same engine settings, and their memory."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+from facade.stack import Stack, free_port
+
+ENGINE_ARGS = {"dtype": "float32", "max_model_len": 2048, "kv_cache_gib": 2}
+START_TIMEOUT = 600
+
+
+class PeakRss(threading.Thread):
+    """Samples the summed resident memory of process trees; keeps the peak."""
+
+    def __init__(self, pids: list[int], interval: float = 0.25) -> None:
+        super().__init__(daemon=True)
+        self.pids = pids
+        self.interval = interval
+        self.peak = 0
+        self.done = threading.Event()
+
+    def current(self) -> int:
+        total = 0
+        for pid in self.pids:
+            try:
+                root = psutil.Process(pid)
+                total += sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+            except psutil.NoSuchProcess:
+                continue
+        return total
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            self.peak = max(self.peak, self.current())
+            time.sleep(self.interval)
+
+    def stop(self) -> int:
+        self.done.set()
+        self.join()
+        return self.peak
+
+
+class VllmOpenAIServer:
+    """vLLM's own OpenAI-compatible server (the baseline, a)."""
+
+    def __init__(self, model_dir: Path, served_name: str) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        command = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model_dir),
+            "--served-model-name",
+            served_name,
+            "--dtype",
+            ENGINE_ARGS["dtype"],
+            "--enforce-eager",
+            "--max-model-len",
+            str(ENGINE_ARGS["max_model_len"]),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--disable-log-requests",
+        ]
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(ENGINE_ARGS["kv_cache_gib"])}
+        self.process = subprocess.Popen(
+            command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        self.pids = [self.process.pid]
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError("vLLM's OpenAI server exited during start")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise RuntimeError("vLLM's OpenAI server did not start")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=60)
+
+
+class OurStack:
+    """Our service and Envoy (b: REST through Envoy, c: gRPC directly)."""
+
+    def __init__(self, model_dir: Path, served_name: str) -> None:
+        self.stack = Stack(
+            grpc_port=free_port(),
+            http_port=free_port(),
+            admin_port=free_port(),
+            service_args=[
+                "--model",
+                str(model_dir),
+                "--served-model-name",
+                served_name,
+                "--dtype",
+                ENGINE_ARGS["dtype"],
+                "--max-model-len",
+                str(ENGINE_ARGS["max_model_len"]),
+                "--kv-cache-gib",
+                str(ENGINE_ARGS["kv_cache_gib"]),
+                "--metrics-port",
+                str(free_port()),
+                "--max-in-flight",
+                "256",
+                "--max-waiting",
+                "1024",
+            ],
+            service_log=Path(os.devnull),
+        )
+        self.stack.start()
+        self.base_url = self.stack.base_url
+        self.grpc_target = self.stack.grpc_target
+        self.pids = [process.pid for process in self.stack.processes]
+
+    def wait_ready(self) -> None:
+        self.stack.wait_ready(START_TIMEOUT)
+
+    def stop(self) -> None:
+        self.stack.stop()
