@@ -1,6 +1,6 @@
 """The ceiling: offline LLM.generate on the same requests, in its own process.
 
-Usage: python -m bench.offline MODEL_DIR INPUT_LEN OUTPUT_LEN NUM_PROMPTS  (prints JSON)
+Usage: python -m bench.offline MODEL_DIR INPUT_LEN OUTPUT_LEN NUM_PROMPTS RESULT_FILE
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 from bench.servers import ENGINE_ARGS
 
@@ -15,7 +16,8 @@ GIB = 1024**3
 
 
 def main() -> None:
-    model_dir, input_len, output_len, num_prompts = sys.argv[1], *map(int, sys.argv[2:5])
+    model_dir, result_file = sys.argv[1], Path(sys.argv[5])
+    input_len, output_len, num_prompts = map(int, sys.argv[2:5])
     from vllm import LLM, SamplingParams
     from vllm.benchmarks.datasets import RandomDataset
 
@@ -34,7 +36,9 @@ def main() -> None:
     outputs = llm.generate([r.prompt for r in requests], params, use_tqdm=False)
     duration = time.perf_counter() - started
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    print(json.dumps({"output_throughput": tokens / duration, "duration": duration}))
+    result_file.write_text(
+        json.dumps({"output_throughput": tokens / duration, "duration": duration})
+    )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -92,21 +93,25 @@ def measure(server: VllmOpenAIServer | OurStack, runs: dict[str, Any]) -> int:
 
 
 def offline_ceiling(model_dir: Path, workload: Workload) -> float:
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench.offline",
-            str(model_dir),
-            str(workload.input_len),
-            str(workload.output_len),
-            str(workload.num_prompts),
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return json.loads(done.stdout.strip().splitlines()[-1])["output_throughput"]
+    """Offline LLM.generate throughput on the same requests, in a process of its own."""
+    with tempfile.TemporaryDirectory() as scratch:
+        result = Path(scratch) / "offline.json"
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "bench.offline",
+                str(model_dir),
+                str(workload.input_len),
+                str(workload.output_len),
+                str(workload.num_prompts),
+                str(result),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            check=True,
+        )
+        return json.loads(result.read_text())["output_throughput"]
 
 
 def main() -> None:

@@ -72,7 +72,6 @@ class VllmOpenAIServer:
             "127.0.0.1",
             "--port",
             str(self.port),
-            "--disable-log-requests",
         ]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(ENGINE_ARGS["kv_cache_gib"])}
         self.process = subprocess.Popen(
