@@ -52,7 +52,13 @@ class PeakRss(threading.Thread):
 class VllmOpenAIServer:
     """vLLM's own OpenAI-compatible server (the baseline, a)."""
 
-    def __init__(self, model_dir: Path, served_name: str) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        served_name: str,
+        max_model_len: int = ENGINE_ARGS["max_model_len"],
+        kv_cache_gib: int = ENGINE_ARGS["kv_cache_gib"],
+    ) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         command = [
@@ -67,13 +73,13 @@ class VllmOpenAIServer:
             ENGINE_ARGS["dtype"],
             "--enforce-eager",
             "--max-model-len",
-            str(ENGINE_ARGS["max_model_len"]),
+            str(max_model_len),
             "--host",
             "127.0.0.1",
             "--port",
             str(self.port),
         ]
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(ENGINE_ARGS["kv_cache_gib"])}
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
         self.process = subprocess.Popen(
             command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )

@@ -6,6 +6,7 @@ Usage: python -m facade.launch [--http-port 8080] [--admin-port 9901] [--upstrea
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import shutil
 import sys
@@ -40,6 +41,14 @@ def filter_config(config: dict[str, Any], name: str) -> dict[str, Any]:
     return next(f["typed_config"] for f in http_filters(config) if f["name"] == name)
 
 
+def is_ip_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
 def parse_address(text: str) -> tuple[str, int]:
     host, _, port = text.rpartition(":")
     if not host or not port.isdigit():
@@ -71,6 +80,8 @@ def render_config(
         if "filename" in body:
             body["filename"] = str(OPENAPI_FILE)
     cluster = config["static_resources"]["clusters"][0]
+    if any(not is_ip_address(host) for host, _ in upstreams):
+        cluster["type"] = "STRICT_DNS"  # e.g. a headless Service: every address it resolves to
     cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
         {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}
         for host, port in upstreams
@@ -109,15 +120,24 @@ def main() -> None:
         default=int(os.environ.get("MAX_REQUEST_BYTES", DEFAULT_MAX_REQUEST_BYTES)),
         help="larger REST bodies get 413",
     )
+    parser.add_argument(
+        "--listen-host",
+        default=os.environ.get("LISTEN_HOST", "127.0.0.1"),
+        help="address the REST listener binds (0.0.0.0 in a container); admin stays on loopback",
+    )
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args()
     upstreams = args.upstream or [("127.0.0.1", int(os.environ.get("GRPC_PORT", 50051)))]
     config = render_config(
-        args.http_port, args.admin_port, upstreams, max_request_bytes=args.max_request_bytes
+        args.http_port,
+        args.admin_port,
+        upstreams,
+        listen_host=args.listen_host,
+        max_request_bytes=args.max_request_bytes,
     )
     config_path = write_config(config)
     command = envoy_command(config_path, args.log_level)
-    print(f"envoy: REST on 127.0.0.1:{args.http_port} -> gRPC {upstreams}", flush=True)
+    print(f"envoy: REST on {args.listen_host}:{args.http_port} -> gRPC {upstreams}", flush=True)
     os.execv(command[0], command)
 
 

@@ -57,7 +57,8 @@ class Stack:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
 
-    def start(self) -> None:
+    def start(self, with_envoy: bool = True) -> None:
+        """Start the service (its output to `service_log`) and, unless told not to, Envoy."""
         python = sys.executable
         env = {**os.environ, **(self.env or {})}
         service = [
@@ -84,9 +85,10 @@ class Stack:
         self.processes = [
             subprocess.Popen(
                 service, env=env, stdout=log, stderr=subprocess.STDOUT if log else None
-            ),
-            subprocess.Popen(envoy, env=env),
+            )
         ]
+        if with_envoy:
+            self.processes.append(subprocess.Popen(envoy, env=env))
 
     def wait_ready(self, timeout: float) -> None:
         """Block until the service reports SERVING and Envoy is live."""

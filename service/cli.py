@@ -100,6 +100,37 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     )
     add_option(
         parser,
+        "--tensor-parallel-size",
+        "TENSOR_PARALLEL_SIZE",
+        1,
+        "devices one model is sharded over (vLLM tensor parallelism)",
+        int,
+    )
+    add_option(
+        parser,
+        "--pipeline-parallel-size",
+        "PIPELINE_PARALLEL_SIZE",
+        1,
+        "pipeline stages the layers are split into (across GPUs or nodes)",
+        int,
+    )
+    add_option(
+        parser,
+        "--data-parallel-size",
+        "DATA_PARALLEL_SIZE",
+        1,
+        "engine replicas inside this server (vLLM data parallelism)",
+        int,
+    )
+    add_option(
+        parser,
+        "--distributed-executor-backend",
+        "DISTRIBUTED_EXECUTOR_BACKEND",
+        None,
+        "mp (one node) or ray (several nodes); unset: vLLM chooses",
+    )
+    add_option(
+        parser,
         "--engine-args",
         "ENGINE_ARGS",
         {},
@@ -226,6 +257,10 @@ def run_serve(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         kv_cache_gib=args.kv_cache_gib,
         structured_outputs_backend=args.structured_outputs_backend,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
         extra_engine_args=args.engine_args,
     )
     server_settings = ServerSettings(

@@ -61,6 +61,13 @@ def engine_args(settings: EngineSettings, model_dir: Path) -> AsyncEngineArgs:
             backend=settings.structured_outputs_backend
         ),
     }
+    args.update(
+        tensor_parallel_size=settings.tensor_parallel_size,
+        pipeline_parallel_size=settings.pipeline_parallel_size,
+        data_parallel_size=settings.data_parallel_size,
+    )
+    if settings.distributed_executor_backend is not None:
+        args["distributed_executor_backend"] = settings.distributed_executor_backend
     if settings.max_model_len is not None:
         args["max_model_len"] = settings.max_model_len
     kv_cache_gib = settings.kv_cache_gib

@@ -17,6 +17,12 @@ class EngineSettings:
     max_model_len: int | None = None
     kv_cache_gib: float | None = None
     structured_outputs_backend: str = "xgrammar"
+    # vLLM's own model parallelism: shards over devices (tensor), layers over stages or nodes
+    # (pipeline), and engine replicas inside one server (data).
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # "mp" or "ray"; None lets vLLM choose
     extra_engine_args: dict[str, Any] = field(default_factory=dict)
 
 

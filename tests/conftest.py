@@ -18,6 +18,8 @@ from service.default_model import DEFAULT_SERVED_MODEL_NAME, prepare_default_mod
 MODEL = DEFAULT_SERVED_MODEL_NAME
 MAX_MODEL_LEN = 2048
 API_KEY = "test-key-0123456789"
+# Engine settings small enough that several engines fit on this machine at once.
+SMALL_ENGINE = ["--max-model-len", "512", "--kv-cache-gib", "0.25"]
 MAX_IN_FLIGHT = 16
 MAX_WAITING = 16
 AUTH_HEADERS = {"Authorization": f"Bearer {API_KEY}"}

@@ -3,8 +3,6 @@ NOT_SERVING, new requests get UNAVAILABLE, and the server exits non-zero for its
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -16,8 +14,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from llmcompletions.v2 import completions_pb2_grpc
 
-from facade.stack import Stack
-from tests.conftest import ENGINE_START_TIMEOUT, MODEL, free_port
+from facade.stack import Stack, free_port
+from tests.conftest import ENGINE_START_TIMEOUT, MODEL, SMALL_ENGINE
 from tests.helpers import grpc_request
 
 ERROR_WITHIN_SECONDS = 10
@@ -26,26 +24,12 @@ EXIT_WITHIN_SECONDS = 60
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[Stack]:
-    port = free_port()
-    log = tmp_path_factory.getbasetemp() / "engine-death-service.log"
-    command = [
-        sys.executable,
-        "-m",
-        "service",
-        "serve",
-        "--port",
-        str(port),
-        "--max-model-len",
-        "512",
-        "--kv-cache-gib",
-        "0.25",
-        "--metrics-port",
-        str(free_port()),
-    ]
-    with log.open("ab") as output:
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
-    running = Stack(grpc_port=port)
-    running.processes = [process]
+    running = Stack(
+        grpc_port=free_port(),
+        service_args=[*SMALL_ENGINE, "--metrics-port", str(free_port())],
+        service_log=tmp_path_factory.getbasetemp() / "engine-death-service.log",
+    )
+    running.start(with_envoy=False)
     try:
         running.wait_ready_service(ENGINE_START_TIMEOUT)
         yield running

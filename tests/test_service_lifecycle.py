@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -24,8 +23,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from llmcompletions.v2 import completions_pb2_grpc
 
-from facade.stack import Stack
-from tests.conftest import ENGINE_START_TIMEOUT, free_port
+from facade.stack import Stack, free_port
+from tests.conftest import ENGINE_START_TIMEOUT, SMALL_ENGINE
 from tests.helpers import grpc_complete, grpc_request
 
 BOS_ID = 0
@@ -93,46 +92,35 @@ def service(
     model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LifecycleService]:
     variant = with_bos_tokenizer(model_dir, tmp_path_factory.mktemp("bos") / "model")
-    port = free_port()
-    log = tmp_path_factory.getbasetemp() / "lifecycle-service.log"
-    command = [
-        sys.executable,
-        "-m",
-        "service",
-        "--log-format",
-        "json",
-        "serve",
-        "--port",
-        str(port),
-        "--model",
-        str(variant),
-        "--served-model-name",
-        BOS_MODEL,
-        "--max-model-len",
-        "512",
-        "--kv-cache-gib",
-        "0.25",
-        "--metrics-port",
-        str(free_port()),
-        "--log-prompts",
-        "--shutdown-grace",
-        "10",
-    ]
-    health = HealthWatch(f"127.0.0.1:{port}")
+    running = Stack(
+        grpc_port=free_port(),
+        service_args=[
+            *SMALL_ENGINE,
+            "--model",
+            str(variant),
+            "--served-model-name",
+            BOS_MODEL,
+            "--metrics-port",
+            str(free_port()),
+            "--log-prompts",
+            "--shutdown-grace",
+            "10",
+        ],
+        env={"LOG_FORMAT": "json"},
+        service_log=tmp_path_factory.getbasetemp() / "lifecycle-service.log",
+    )
+    health = HealthWatch(running.grpc_target)
     threading.Thread(target=health.run, daemon=True).start()
-    with log.open("ab") as output:
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
-    probe = Stack(grpc_port=port)
-    probe.processes = [process]
+    running.start(with_envoy=False)
     try:
-        probe.wait_ready_service(ENGINE_START_TIMEOUT)
-        with grpc.insecure_channel(probe.grpc_target) as channel:
-            yield LifecycleService(
-                process, completions_pb2_grpc.CompletionServiceStub(channel), health, log
-            )
+        running.wait_ready_service(ENGINE_START_TIMEOUT)
+        with grpc.insecure_channel(running.grpc_target) as channel:
+            stub = completions_pb2_grpc.CompletionServiceStub(channel)
+            assert running.service_log is not None
+            yield LifecycleService(running.processes[0], stub, health, running.service_log)
     finally:
         health.done.set()
-        probe.stop()
+        running.stop()
 
 
 def test_health_turns_serving_only_once_the_engine_is_ready(service: LifecycleService) -> None:

@@ -6,8 +6,11 @@ from typing import Any
 
 import httpx
 import pytest
+from llmcompletions.v2.completions_pb2 import CreateCompletionRequest
 
 from tests.helpers import CAPITAL_PROMPT, body, post
+
+REQUEST_FIELDS = CreateCompletionRequest.DESCRIPTOR.fields
 
 # (field, a value just inside the limit, a value just outside it)
 LIMITS: list[tuple[str, Any, Any]] = [
@@ -123,44 +126,7 @@ def test_wrong_json_type_is_a_json_422(rest: httpx.Client) -> None:
 
 
 def test_nulls_for_nullable_fields_are_accepted(rest: httpx.Client) -> None:
-    nullable = [
-        "max_tokens",
-        "temperature",
-        "top_p",
-        "n",
-        "stream",
-        "logprobs",
-        "echo",
-        "stop",
-        "presence_penalty",
-        "frequency_penalty",
-        "best_of",
-        "logit_bias",
-        "seed",
-        "suffix",
-        "user",
-        "top_k",
-        "min_p",
-        "repetition_penalty",
-        "use_beam_search",
-        "length_penalty",
-        "early_stopping",
-        "stop_token_ids",
-        "include_stop_str_in_output",
-        "ignore_eos",
-        "min_tokens",
-        "skip_special_tokens",
-        "spaces_between_special_tokens",
-        "add_special_tokens",
-        "response_format",
-        "guided_json",
-        "guided_regex",
-        "guided_choice",
-        "guided_grammar",
-        "guided_decoding_backend",
-        "guided_whitespace_pattern",
-        "stream_options",
-    ]
+    nullable = [field.name for field in REQUEST_FIELDS if field.name not in ("model", "prompt")]
     response = post(
         rest, {"model": "smollm2-135m-instruct", "prompt": "Hi", **dict.fromkeys(nullable)}
     )

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.conftest import MAX_MODEL_LEN, MODEL, free_port
+from bench.servers import VllmOpenAIServer
+from tests.conftest import MAX_MODEL_LEN, MODEL
 from tests.helpers import CAPITAL_PROMPT, complete
 
 PROMPTS = [CAPITAL_PROMPT, "def fibonacci(n):", "Once upon a time, in a small village,"]
@@ -33,44 +30,13 @@ FIELD_VARIANTS = [
 
 @pytest.fixture(scope="module")
 def vllm_server(model_dir: Path) -> Iterator[str]:
-    port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model_dir),
-        "--dtype",
-        "float32",
-        "--enforce-eager",
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--served-model-name",
-        MODEL,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-    ]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    process = subprocess.Popen(
-        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    base_url = f"http://127.0.0.1:{port}"
+    """vLLM's own OpenAI server on the same model directory and context length."""
+    server = VllmOpenAIServer(model_dir, MODEL, max_model_len=MAX_MODEL_LEN, kv_cache_gib=1)
     try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            assert process.poll() is None, "vLLM's OpenAI server exited"
-            try:
-                if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        yield base_url
+        server.wait_ready()
+        yield server.base_url
     finally:
-        process.terminate()
-        process.wait(timeout=60)
+        server.stop()
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

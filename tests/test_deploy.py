@@ -1,0 +1,106 @@
+"""deploy/ agrees with the code: names, ports and probes match envoy.yaml and the service's
+defaults, and Envoy's upstream is the headless Service."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from facade.launch import ENVOY_TEMPLATE, parse_address
+from service.cli import build_parser
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+
+
+def documents() -> list[dict[str, Any]]:
+    return [
+        document
+        for path in sorted(DEPLOY.glob("*.yaml"))
+        if path.name != "kustomization.yaml"
+        for document in yaml.safe_load_all(path.read_text())
+    ]
+
+
+def find(kind: str, name: str) -> dict[str, Any]:
+    matches = [d for d in documents() if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(matches) == 1, f"{kind}/{name}"
+    return matches[0]
+
+
+def container(deployment: dict[str, Any]) -> dict[str, Any]:
+    (only,) = deployment["spec"]["template"]["spec"]["containers"]
+    return only
+
+
+def env(container_spec: dict[str, Any]) -> dict[str, str]:
+    return {item["name"]: item.get("value", "") for item in container_spec.get("env", [])}
+
+
+def service_defaults() -> Any:
+    return build_parser().parse_args(["serve"])
+
+
+def test_kustomization_lists_every_manifest() -> None:
+    listed = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())["resources"]
+    assert sorted(listed) == sorted(
+        p.name for p in DEPLOY.glob("*.yaml") if p.name != "kustomization.yaml"
+    )
+
+
+def test_service_ports_and_probes_match_the_service() -> None:
+    defaults = service_defaults()
+    deployment = find("Deployment", "llm-completions")
+    spec = container(deployment)
+    ports = {port["name"]: port["containerPort"] for port in spec["ports"]}
+    variables = env(spec)
+    assert ports["grpc"] == int(variables["GRPC_PORT"]) == defaults.port
+    assert ports["metrics"] == int(variables["METRICS_PORT"]) == defaults.metrics_port
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert spec[probe]["grpc"]["port"] == ports["grpc"], probe
+    assert spec["resources"]["requests"]["nvidia.com/gpu"] == 1
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert float(variables["SHUTDOWN_GRACE_SECONDS"]) < grace
+
+
+def test_headless_service_selects_the_replicas() -> None:
+    headless = find("Service", "llm-completions-headless")
+    assert headless["spec"]["clusterIP"] == "None"
+    labels = find("Deployment", "llm-completions")["spec"]["template"]["metadata"]["labels"]
+    assert headless["spec"]["selector"].items() <= labels.items()
+    (port,) = headless["spec"]["ports"]
+    assert port["port"] == service_defaults().port
+
+
+def test_envoy_points_at_the_headless_service_and_listens_where_envoy_yaml_says() -> None:
+    deployment = find("Deployment", "llm-completions-envoy")
+    spec = container(deployment)
+    assert spec["command"] == ["python", "-m", "facade.launch"]
+    flags = dict(arg.removeprefix("--").split("=", 1) for arg in spec["args"])
+    host, port = parse_address(flags["upstream"])
+    assert host.split(".")[0] == "llm-completions-headless"
+    assert port == find("Service", "llm-completions-headless")["spec"]["ports"][0]["port"]
+    template = yaml.safe_load(ENVOY_TEMPLATE.read_text())
+    listener_port = template["static_resources"]["listeners"][0]["address"]["socket_address"]
+    assert int(flags["http-port"]) == listener_port["port_value"]
+    assert {p["name"]: p["containerPort"] for p in spec["ports"]}["http"] == int(flags["http-port"])
+    front = find("Service", "llm-completions")
+    assert (
+        front["spec"]["selector"].items()
+        <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    )
+    assert front["spec"]["ports"][0]["targetPort"] == "http"
+
+
+@pytest.mark.parametrize("upstream", ["llm-completions-headless.default.svc.cluster.local:50051"])
+def test_a_hostname_upstream_is_resolved_with_dns(upstream: str) -> None:
+    from facade.launch import render_config
+
+    config = render_config(8080, 9901, [parse_address(upstream)], listen_host="0.0.0.0")
+    cluster = config["static_resources"]["clusters"][0]
+    assert cluster["type"] == "STRICT_DNS"
+    assert config["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
