@@ -27,6 +27,7 @@ def main() -> None:
         enforce_eager=True,
         max_model_len=ENGINE_ARGS["max_model_len"],
         kv_cache_memory_bytes=int(ENGINE_ARGS["kv_cache_gib"] * GIB),
+        enable_prefix_caching=False,
     )
     requests = RandomDataset(random_seed=0).sample(
         llm.get_tokenizer(), num_prompts, input_len=input_len, output_len=output_len

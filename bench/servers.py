@@ -14,6 +14,8 @@ import psutil
 
 from facade.stack import Stack, free_port
 
+# The same engine settings for every server and the offline ceiling. Prefix caching is off:
+# the servers see the same prompts one after another, and a warm cache would favour the later.
 ENGINE_ARGS = {"dtype": "float32", "max_model_len": 2048, "kv_cache_gib": 2}
 START_TIMEOUT = 600
 
@@ -78,6 +80,7 @@ class VllmOpenAIServer:
             "127.0.0.1",
             "--port",
             str(self.port),
+            "--no-enable-prefix-caching",
         ]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
         self.process = subprocess.Popen(
@@ -128,6 +131,9 @@ class OurStack:
                 "256",
                 "--max-waiting",
                 "1024",
+                # (b) and (c) send the same prompts to one server: no cache may favour (c).
+                "--engine-args",
+                '{"enable_prefix_caching": false}',
             ],
             service_log=Path(os.devnull),
         )
