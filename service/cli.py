@@ -232,6 +232,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_limit_options(serve)
     add_option(
         serve,
+        "--drain-delay",
+        "DRAIN_DELAY_SECONDS",
+        0.0,
+        "on SIGTERM, seconds to keep accepting requests after health turns NOT_SERVING, "
+        "so that a load balancer's health checks notice first (e.g. 3 behind Envoy)",
+        float,
+    )
+    add_option(
+        serve,
         "--shutdown-grace",
         "SHUTDOWN_GRACE_SECONDS",
         30.0,
@@ -267,6 +276,7 @@ def run_serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         shutdown_grace_seconds=args.shutdown_grace,
+        drain_delay_seconds=args.drain_delay,
         api_key=args.api_key,
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,

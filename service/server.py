@@ -115,6 +115,9 @@ async def serve(server_settings: ServerSettings, engine_settings: EngineSettings
 
     logger.info("shutting down: draining for up to %.0fs", server_settings.shutdown_grace_seconds)
     await set_health(health_servicer, NOT_SERVING)
+    if exit_code == 0 and server_settings.drain_delay_seconds > 0:
+        # Keep serving while load balancers' health checks see NOT_SERVING and stop sending.
+        await asyncio.sleep(server_settings.drain_delay_seconds)
     await server.stop(server_settings.shutdown_grace_seconds)
     if model is not None:
         model.engine.shutdown()

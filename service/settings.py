@@ -44,6 +44,7 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 50051
     shutdown_grace_seconds: float = 30.0
+    drain_delay_seconds: float = 0.0  # behind a balancer: serve on while it notices NOT_SERVING
     max_message_bytes: int = 16 * 1024 * 1024
     api_key: str | None = None  # when set, completion calls need `authorization: Bearer <key>`
     metrics_host: str = "127.0.0.1"

@@ -64,7 +64,8 @@ def test_service_ports_and_probes_match_the_service() -> None:
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
     grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-    assert float(variables["SHUTDOWN_GRACE_SECONDS"]) < grace
+    drain = float(variables["DRAIN_DELAY_SECONDS"]) + float(variables["SHUTDOWN_GRACE_SECONDS"])
+    assert drain < grace, "Kubernetes would kill the pod before its streams finish"
 
 
 def test_headless_service_selects_the_replicas() -> None:
