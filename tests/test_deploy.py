@@ -68,6 +68,19 @@ def test_service_ports_and_probes_match_the_service() -> None:
     assert drain < grace, "Kubernetes would kill the pod before its streams finish"
 
 
+def test_replicas_keep_serving_until_envoy_has_taken_them_out() -> None:
+    template = yaml.safe_load(ENVOY_TEMPLATE.read_text())
+    (check,) = template["static_resources"]["clusters"][0]["health_checks"]
+    seconds = {key: float(check[key].removesuffix("s")) for key in ("interval", "timeout")}
+    assert check["unhealthy_threshold"] == 1
+    # The slowest notice of NOT_SERVING: a check sent just before, then the next one timing out.
+    slowest_notice = seconds["interval"] + seconds["timeout"]
+    drain_delay = float(
+        env(container(find("Deployment", "llm-completions")))["DRAIN_DELAY_SECONDS"]
+    )
+    assert drain_delay > slowest_notice
+
+
 def test_headless_service_selects_the_replicas() -> None:
     headless = find("Service", "llm-completions-headless")
     assert headless["spec"]["clusterIP"] == "None"
