@@ -2,6 +2,7 @@
 # make test    install what is missing, run the whole test suite
 # make proto   rebuild generated code from proto/    make lint   ruff and buf lint
 # make bench   the serving benchmark against vLLM's OpenAI server (BENCHMARKS.md)
+# make profile CPU per generated token of each server and serving-path option (BENCHMARKS.md)
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -14,7 +15,7 @@ export GRPC_PORT ?= 50051
 export HTTP_PORT ?= 8080
 export METRICS_PORT ?= 9400
 
-.PHONY: install serve test proto lint bench
+.PHONY: install serve test proto lint bench profile
 
 install: $(STAMP)
 
@@ -37,9 +38,13 @@ serve: install
 test: install
 	$(BIN)/python -m pytest
 
-# The side-by-side benchmark (about 15 minutes); results in bench/results/.
+# The side-by-side benchmark (about 25 minutes); results in bench/results/.
 bench: install
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
+
+# CPU per output token by process, with py-spy on our frontend (about 12 minutes).
+profile: install
+	$(BIN)/python -m bench.profile --py-spy $(PROFILE_ARGS)
 
 proto: install
 	$(BIN)/python proto/generate.py

@@ -1,6 +1,10 @@
 """The ceiling: offline LLM.generate on the same requests, in its own process.
 
-Usage: python -m bench.offline MODEL_DIR INPUT_LEN OUTPUT_LEN NUM_PROMPTS RESULT_FILE
+Usage: python -m bench.offline MODEL_DIR INPUT_LEN OUTPUT_LEN NUM_PROMPTS CONCURRENCY RESULT_FILE
+
+The engine runs at most CONCURRENCY sequences at once (max_num_seqs), as a server does under
+a client that keeps that many requests in flight: the ceiling for that workload, not for a
+larger batch the served workload never offers.
 """
 
 from __future__ import annotations
@@ -16,8 +20,8 @@ GIB = 1024**3
 
 
 def main() -> None:
-    model_dir, result_file = sys.argv[1], Path(sys.argv[5])
-    input_len, output_len, num_prompts = map(int, sys.argv[2:5])
+    model_dir, result_file = sys.argv[1], Path(sys.argv[6])
+    input_len, output_len, num_prompts, concurrency = map(int, sys.argv[2:6])
     from vllm import LLM, SamplingParams
     from vllm.benchmarks.datasets import RandomDataset
 
@@ -28,6 +32,7 @@ def main() -> None:
         max_model_len=ENGINE_ARGS["max_model_len"],
         kv_cache_memory_bytes=int(ENGINE_ARGS["kv_cache_gib"] * GIB),
         enable_prefix_caching=False,
+        max_num_seqs=concurrency,
     )
     requests = RandomDataset(random_seed=0).sample(
         llm.get_tokenizer(), num_prompts, input_len=input_len, output_len=output_len

@@ -105,6 +105,7 @@ def offline_ceiling(model_dir: Path, workload: Workload) -> float:
                 str(workload.input_len),
                 str(workload.output_len),
                 str(workload.num_prompts),
+                str(workload.concurrency),
                 str(result),
             ],
             stdout=subprocess.DEVNULL,

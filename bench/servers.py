@@ -109,8 +109,11 @@ class VllmOpenAIServer:
 class OurStack:
     """Our service and Envoy (b: REST through Envoy, c: gRPC directly)."""
 
-    def __init__(self, model_dir: Path, served_name: str) -> None:
+    def __init__(
+        self, model_dir: Path, served_name: str, env: dict[str, str] | None = None
+    ) -> None:
         self.stack = Stack(
+            env=env,
             grpc_port=free_port(),
             http_port=free_port(),
             admin_port=free_port(),

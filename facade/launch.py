@@ -96,10 +96,15 @@ def write_config(config: dict[str, Any]) -> Path:
     return path
 
 
-def envoy_command(config_path: Path, log_level: str = "warning") -> list[str]:
+def envoy_command(
+    config_path: Path, log_level: str = "warning", concurrency: int | None = None
+) -> list[str]:
     envoy = shutil.which("envoy") or str(Path(sys.executable).parent / "envoy")
     # No hot restart: several Envoys (serve and tests) can then share one host.
-    return [envoy, "-c", str(config_path), "--log-level", log_level, "--disable-hot-restart"]
+    command = [envoy, "-c", str(config_path), "--log-level", log_level, "--disable-hot-restart"]
+    if concurrency is not None:
+        command += ["--concurrency", str(concurrency)]
+    return command
 
 
 def main() -> None:
@@ -125,6 +130,14 @@ def main() -> None:
         default=os.environ.get("LISTEN_HOST", "127.0.0.1"),
         help="address the REST listener binds (0.0.0.0 in a container); admin stays on loopback",
     )
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=int(os.environ["ENVOY_CONCURRENCY"])
+        if os.environ.get("ENVOY_CONCURRENCY")
+        else None,
+        help="Envoy worker threads (default: one per hardware thread)",
+    )
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args()
     upstreams = args.upstream or [("127.0.0.1", int(os.environ.get("GRPC_PORT", 50051)))]
@@ -136,7 +149,7 @@ def main() -> None:
         max_request_bytes=args.max_request_bytes,
     )
     config_path = write_config(config)
-    command = envoy_command(config_path, args.log_level)
+    command = envoy_command(config_path, args.log_level, args.concurrency)
     print(f"envoy: REST on {args.listen_host}:{args.http_port} -> gRPC {upstreams}", flush=True)
     os.execv(command[0], command)
 

@@ -43,6 +43,17 @@ def test_help_never_prints_the_api_key() -> None:
     assert "secret-key-xyz" not in text
 
 
+def test_an_unknown_event_loop_is_refused_with_the_choices() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "service", "serve", "--event-loop", "trio"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert "must be one of: uvloop, asyncio" in done.stderr
+
+
 def test_subcommands_are_listed() -> None:
     text = run("--help")
     assert "serve" in text and "prepare-model" in text

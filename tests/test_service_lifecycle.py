@@ -106,7 +106,8 @@ def service(
             "--shutdown-grace",
             "10",
         ],
-        env={"LOG_FORMAT": "json"},
+        # The other stacks run the default uvloop; this one the standard asyncio loop.
+        env={"LOG_FORMAT": "json", "EVENT_LOOP": "asyncio"},
         service_log=tmp_path_factory.getbasetemp() / "lifecycle-service.log",
     )
     health = HealthWatch(running.grpc_target)

@@ -1,0 +1,215 @@
+"""Where each server spends CPU per generated token, and what each serving-path option saves.
+
+Runs one streaming workload against vLLM's OpenAI server and against our stack in each of its
+variants (one server at a time, same engine settings), and reports for each run the output
+throughput and the CPU milliseconds per output token of the frontend process, the engine-core
+process and Envoy. With --py-spy it also samples our frontend with py-spy and lists where its
+CPU goes.
+
+Usage: python -m bench.profile [--variants before,uvloop,...] [--py-spy] [--out bench/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from bench.grpc_client import run_load
+from bench.run import MODEL, same_prompts, vllm_bench
+from bench.servers import OurStack, VllmOpenAIServer
+from bench.spy_summary import summarize_stacks
+from bench.workloads import Workload
+from service.default_model import prepare_default_model
+
+WORKLOAD = Workload("c32", concurrency=32, num_prompts=64, input_len=64, output_len=64)
+WARMUP = Workload("warmup", concurrency=4, num_prompts=4, input_len=16, output_len=8)
+
+# Our serving-path options, as environment for the service (EVENT_LOOP) and the Envoy launcher
+# (ENVOY_CONCURRENCY). "before" is the configuration the first benchmark ran with.
+VARIANTS: dict[str, dict[str, str]] = {
+    "before": {"EVENT_LOOP": "asyncio", "ENVOY_CONCURRENCY": "2"},
+    "uvloop": {"EVENT_LOOP": "uvloop", "ENVOY_CONCURRENCY": "2"},
+    "uvloop+envoy1": {"EVENT_LOOP": "uvloop", "ENVOY_CONCURRENCY": "1"},
+}
+
+
+@dataclass(frozen=True)
+class Roles:
+    """The processes of one server, by what they do."""
+
+    frontend: int
+    envoy: int | None = None
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time used so far by the frontend, its engine children, and Envoy."""
+        frontend = psutil.Process(self.frontend)
+        seconds = {
+            "frontend": cpu(frontend),
+            "engine": sum(cpu(child) for child in frontend.children(recursive=True)),
+        }
+        if self.envoy is not None:
+            seconds["envoy"] = cpu(psutil.Process(self.envoy))
+        return seconds
+
+
+def cpu(process: psutil.Process) -> float:
+    try:
+        times = process.cpu_times()
+    except psutil.NoSuchProcess:
+        return 0.0
+    return times.user + times.system
+
+
+def measured(roles: Roles, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run the load; its results plus each role's CPU milliseconds per output token."""
+    before = roles.cpu_seconds()
+    result = run()
+    after = roles.cpu_seconds()
+    tokens = max(result["total_output_tokens"], 1)
+    per_token = {role: (after[role] - before[role]) * 1000 / tokens for role in after}
+    return {
+        "output_throughput": result["output_throughput"],
+        "median_ttft_ms": result["median_ttft_ms"],
+        "median_tpot_ms": result["median_tpot_ms"],
+        "cpu_ms_per_token": per_token,
+    }
+
+
+class PySpy:
+    """py-spy sampling one process (not its children) until stopped; collapsed stacks."""
+
+    def __init__(self, pid: int, out: Path) -> None:
+        self.out = out
+        self.process = subprocess.Popen(
+            [
+                str(Path(sys.executable).parent / "py-spy"),
+                "record",
+                "--pid",
+                str(pid),
+                "--rate",
+                "200",
+                "--nonblocking",
+                "--function",
+                "--format",
+                "raw",
+                "--output",
+                str(out),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    def stop(self) -> Path:
+        self.process.send_signal(signal.SIGINT)  # py-spy writes its output on interrupt
+        self.process.wait(timeout=60)
+        return self.out
+
+
+def profile_vllm(model_dir: Path) -> dict[str, Any]:
+    server = VllmOpenAIServer(model_dir, MODEL)
+    try:
+        server.wait_ready()
+        vllm_bench(server.base_url, "/v1/completions", model_dir, WARMUP)
+        roles = Roles(server.process.pid)
+        return {
+            "rest": measured(
+                roles, lambda: vllm_bench(server.base_url, "/v1/completions", model_dir, WORKLOAD)
+            )
+        }
+    finally:
+        server.stop()
+
+
+def profile_ours(model_dir: Path, env: dict[str, str], spy_out: Path | None) -> dict[str, Any]:
+    stack = OurStack(model_dir, MODEL, env)
+    try:
+        stack.wait_ready()
+        vllm_bench(stack.base_url, "/v2/completions", model_dir, WARMUP)
+        service, envoy = stack.stack.processes
+        roles = Roles(service.pid, envoy.pid)
+        prompts = same_prompts(model_dir, WORKLOAD)
+        spy = PySpy(service.pid, spy_out) if spy_out else None
+        runs = {
+            "rest": measured(
+                roles, lambda: vllm_bench(stack.base_url, "/v2/completions", model_dir, WORKLOAD)
+            ),
+            "grpc": measured(
+                roles,
+                lambda: asyncio.run(
+                    run_load(
+                        stack.grpc_target, MODEL, prompts, WORKLOAD.output_len, WORKLOAD.concurrency
+                    )
+                ),
+            ),
+        }
+        if spy is not None:
+            runs["py_spy"] = summarize_stacks(spy.stop())
+        return runs
+    finally:
+        stack.stop()
+
+
+def markdown(results: dict[str, dict[str, Any]]) -> str:
+    baseline = results["vllm_openai"]["rest"]
+    lines = [
+        f"Workload: concurrency {WORKLOAD.concurrency}, {WORKLOAD.num_prompts} prompts, "
+        f"{WORKLOAD.input_len} in / {WORKLOAD.output_len} out tokens, streaming.",
+        "",
+        "| server | path | output tok/s (x vLLM) | frontend CPU ms/token (x vLLM) "
+        "| Envoy CPU ms/token | engine CPU ms/token |",
+        "|---|---|---|---|---|---|",
+    ]
+    for server, runs in results.items():
+        for path in ("rest", "grpc"):
+            if path not in runs:
+                continue
+            run = runs[path]
+            cpu_ms = run["cpu_ms_per_token"]
+            throughput = run["output_throughput"]
+            lines.append(
+                f"| {server} | {path} "
+                f"| {throughput:.1f} ({throughput / baseline['output_throughput']:.2f}x) "
+                f"| {cpu_ms['frontend']:.2f} "
+                f"({cpu_ms['frontend'] / baseline['cpu_ms_per_token']['frontend']:.2f}x) "
+                f"| {cpu_ms.get('envoy', 0.0):.2f} | {cpu_ms['engine']:.2f} |"
+            )
+    for server, runs in results.items():
+        if "py_spy" in runs:
+            lines += ["", f"### py-spy, our frontend ({server}), share of its samples", ""]
+            lines += [f"- {name}: {share:.0%}" for name, share in runs["py_spy"]["groups"]]
+            lines += ["", "Top functions (inclusive):", ""]
+            lines += [f"- {share:.0%} `{name}`" for name, share in runs["py_spy"]["top"]]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="of: " + ", ".join(VARIANTS))
+    parser.add_argument("--py-spy", action="store_true", help="sample our frontend with py-spy")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    options = parser.parse_args()
+    model_dir = prepare_default_model()
+    options.out.mkdir(parents=True, exist_ok=True)
+    results = {"vllm_openai": profile_vllm(model_dir)}
+    for name in options.variants.split(","):
+        print(f"profile: ours, {name}", flush=True)
+        spy_out = options.out / f"py-spy-{name}.txt" if options.py_spy else None
+        results[f"ours {name}"] = profile_ours(model_dir, VARIANTS[name], spy_out)
+    record = {"workload": asdict(WORKLOAD), "variants": VARIANTS, "results": results}
+    (options.out / "profile.json").write_text(json.dumps(record, indent=2))
+    (options.out / "profile.md").write_text(markdown(results))
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()
