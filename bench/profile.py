@@ -6,7 +6,11 @@ throughput and the CPU milliseconds per output token of the frontend process, th
 process and Envoy. With --py-spy it also samples our frontend with py-spy and lists where its
 CPU goes.
 
-Usage: python -m bench.profile [--variants before,uvloop,...] [--py-spy] [--out bench/results]
+"before" runs the code the first benchmark measured (BEFORE_REF, from a git worktree);
+"after" today's code with its defaults; the other variants change one option of "after", so
+each optimisation's share shows in one run.
+
+Usage: python -m bench.profile [--variants before,after,...] [--py-spy] [--out bench/results]
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ import json
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -34,12 +40,24 @@ from service.default_model import prepare_default_model
 WORKLOAD = Workload("c32", concurrency=32, num_prompts=64, input_len=64, output_len=64)
 WARMUP = Workload("warmup", concurrency=4, num_prompts=4, input_len=16, output_len=8)
 
-# Our serving-path options, as environment for the service (EVENT_LOOP) and the Envoy launcher
-# (ENVOY_CONCURRENCY). "before" is the configuration the first benchmark ran with.
-VARIANTS: dict[str, dict[str, str]] = {
-    "before": {"EVENT_LOOP": "asyncio", "ENVOY_CONCURRENCY": "2"},
-    "uvloop": {"EVENT_LOOP": "uvloop", "ENVOY_CONCURRENCY": "2"},
-    "uvloop+envoy1": {"EVENT_LOOP": "uvloop", "ENVOY_CONCURRENCY": "1"},
+# The commit whose serving path the first `make bench` run measured.
+BEFORE_REF = "35f121a"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Our stack from a git ref (None: this checkout), with environment for the service
+    (EVENT_LOOP) and the Envoy launcher (ENVOY_CONCURRENCY)."""
+
+    ref: str | None = None
+    env: dict[str, str] | None = None
+
+
+VARIANTS: dict[str, Variant] = {
+    "before": Variant(ref=BEFORE_REF),
+    "after": Variant(),
+    "after, asyncio loop": Variant(env={"EVENT_LOOP": "asyncio"}),
+    "after, 1 Envoy worker": Variant(env={"ENVOY_CONCURRENCY": "1"}),
 }
 
 
@@ -130,8 +148,27 @@ def profile_vllm(model_dir: Path) -> dict[str, Any]:
         server.stop()
 
 
-def profile_ours(model_dir: Path, env: dict[str, str], spy_out: Path | None) -> dict[str, Any]:
-    stack = OurStack(model_dir, MODEL, env)
+@contextmanager
+def checkout(ref: str | None) -> Iterator[Path | None]:
+    """A temporary worktree of `ref` (None: this checkout, used as it is)."""
+    if ref is None:
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix="bench-") as scratch:
+        tree = Path(scratch) / ref
+        subprocess.run(["git", "worktree", "add", "--detach", str(tree), ref], check=True)
+        try:
+            yield tree
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], check=True)
+
+
+def profile_ours(model_dir: Path, variant: Variant, spy_out: Path | None) -> dict[str, Any]:
+    with checkout(variant.ref) as source:
+        return profile_stack(OurStack(model_dir, MODEL, variant.env, source), model_dir, spy_out)
+
+
+def profile_stack(stack: OurStack, model_dir: Path, spy_out: Path | None) -> dict[str, Any]:
     try:
         stack.wait_ready()
         vllm_bench(stack.base_url, "/v2/completions", model_dir, WARMUP)
@@ -194,18 +231,25 @@ def markdown(results: dict[str, dict[str, Any]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="of: " + ", ".join(VARIANTS))
+    parser.add_argument(
+        "--variants", default=";".join(VARIANTS), help="';'-separated, of: " + "; ".join(VARIANTS)
+    )
     parser.add_argument("--py-spy", action="store_true", help="sample our frontend with py-spy")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     options = parser.parse_args()
     model_dir = prepare_default_model()
     options.out.mkdir(parents=True, exist_ok=True)
     results = {"vllm_openai": profile_vllm(model_dir)}
-    for name in options.variants.split(","):
+    for name in options.variants.split(";"):
         print(f"profile: ours, {name}", flush=True)
-        spy_out = options.out / f"py-spy-{name}.txt" if options.py_spy else None
+        slug = "-".join(name.replace(",", "").split())
+        spy_out = options.out / f"py-spy-{slug}.txt" if options.py_spy else None
         results[f"ours {name}"] = profile_ours(model_dir, VARIANTS[name], spy_out)
-    record = {"workload": asdict(WORKLOAD), "variants": VARIANTS, "results": results}
+    record = {
+        "workload": asdict(WORKLOAD),
+        "variants": {name: asdict(variant) for name, variant in VARIANTS.items()},
+        "results": results,
+    }
     (options.out / "profile.json").write_text(json.dumps(record, indent=2))
     (options.out / "profile.md").write_text(markdown(results))
     print(markdown(results))

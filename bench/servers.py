@@ -110,10 +110,15 @@ class OurStack:
     """Our service and Envoy (b: REST through Envoy, c: gRPC directly)."""
 
     def __init__(
-        self, model_dir: Path, served_name: str, env: dict[str, str] | None = None
+        self,
+        model_dir: Path,
+        served_name: str,
+        env: dict[str, str] | None = None,
+        source: Path | None = None,
     ) -> None:
         self.stack = Stack(
             env=env,
+            source=source,
             grpc_port=free_port(),
             http_port=free_port(),
             admin_port=free_port(),

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-# A frame's library, by the first of these path fragments its file contains.
+# A frame's library, by the first of these fragments the frame ("function (file:line)") holds.
 LIBRARIES = (
     ("service/", "our service (service/)"),
+    # A leaf here is native code run from the loop: grpc aio's Cython core, C-level tasks.
+    ("Handle._run (", "native code in event-loop callbacks (grpc aio's Cython core)"),
+    ("selectors.py", "epoll wait"),
+    ("copy.py", "copy.deepcopy (vLLM's tokenizer pool)"),
+    ("concurrent/futures", "thread pools"),
+    ("threading.py", "thread pools"),
     ("llmcompletions/", "our generated stubs"),
     ("grpc", "grpc (aio, cython)"),
     ("google/protobuf", "protobuf"),
@@ -22,13 +27,10 @@ LIBRARIES = (
     ("zmq", "zmq (engine IPC)"),
     ("msgspec", "msgspec (engine IPC)"),
 )
-FRAME = re.compile(r"^(?P<function>.*) \((?P<file>[^()]*?)(?::\d+)?\)$")
 
 
 def library(frame: str) -> str:
-    match = FRAME.match(frame)
-    file = match.group("file") if match else frame
-    return next((label for fragment, label in LIBRARIES if fragment in file), "other")
+    return next((label for fragment, label in LIBRARIES if fragment in frame), "other")
 
 
 def parse(path: Path) -> list[tuple[list[str], int]]:

@@ -47,6 +47,7 @@ class Stack:
     service_args: Sequence[str] = ()
     env: dict[str, str] | None = None
     service_log: Path | None = None  # the service's output goes here instead of the terminal
+    source: Path | None = None  # run the code of this checkout (e.g. an older one) instead
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     @property
@@ -84,11 +85,15 @@ class Stack:
         log = self.service_log.open("ab") if self.service_log else None
         self.processes = [
             subprocess.Popen(
-                service, env=env, stdout=log, stderr=subprocess.STDOUT if log else None
+                service,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT if log else None,
+                cwd=self.source,  # `python -m` imports from the working directory first
             )
         ]
         if with_envoy:
-            self.processes.append(subprocess.Popen(envoy, env=env))
+            self.processes.append(subprocess.Popen(envoy, env=env, cwd=self.source))
 
     def wait_ready(self, timeout: float) -> None:
         """Block until the service reports SERVING and Envoy is live."""
