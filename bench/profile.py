@@ -56,7 +56,7 @@ class Variant:
 VARIANTS: dict[str, Variant] = {
     "before": Variant(ref=BEFORE_REF),
     "after": Variant(),
-    "after, asyncio loop": Variant(env={"EVENT_LOOP": "asyncio"}),
+    "after, uvloop": Variant(env={"EVENT_LOOP": "uvloop"}),
     "after, 1 Envoy worker": Variant(env={"ENVOY_CONCURRENCY": "1"}),
 }
 

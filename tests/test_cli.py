@@ -51,7 +51,7 @@ def test_an_unknown_event_loop_is_refused_with_the_choices() -> None:
         timeout=120,
     )
     assert done.returncode == 2
-    assert "must be one of: uvloop, asyncio" in done.stderr
+    assert "must be one of: asyncio, uvloop" in done.stderr
 
 
 def test_subcommands_are_listed() -> None:

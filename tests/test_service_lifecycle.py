@@ -106,8 +106,8 @@ def service(
             "--shutdown-grace",
             "10",
         ],
-        # The other stacks run the default uvloop; this one the standard asyncio loop.
-        env={"LOG_FORMAT": "json", "EVENT_LOOP": "asyncio"},
+        # The other stacks run the default asyncio loop; this one uvloop.
+        env={"LOG_FORMAT": "json", "EVENT_LOOP": "uvloop"},
         service_log=tmp_path_factory.getbasetemp() / "lifecycle-service.log",
     )
     health = HealthWatch(running.grpc_target)
