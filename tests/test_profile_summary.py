@@ -6,11 +6,16 @@ from pathlib import Path
 
 from bench.spy_summary import summarize_stacks
 
-STACKS = """\
-<module> (service/__main__.py:1);run (asyncio/runners.py:118);Handle._run (asyncio/events.py:78) 6
-<module> (service/__main__.py:1);CompletionHandler.complete (service/completions.py:68);StreamAssembler.chunk (service/responses.py:197) 3
-_bootstrap (threading.py:1002);prepare_prompts (service/prompts.py:99);deepcopy (copy.py:128) 1
-"""
+MAIN = "<module> (service/__main__.py:1)"
+STACKS = "\n".join(
+    [
+        f"{MAIN};run (asyncio/runners.py:118);Handle._run (asyncio/events.py:78) 6",
+        f"{MAIN};CompletionHandler.complete (service/completions.py:68)"
+        ";StreamAssembler.chunk (service/responses.py:197) 3",
+        "_bootstrap (threading.py:1002);prepare_prompts (service/prompts.py:99)"
+        ";deepcopy (copy.py:128) 1",
+    ]
+)
 
 
 def test_samples_count_for_their_innermost_frame_and_our_functions_inclusively(
@@ -25,5 +30,5 @@ def test_samples_count_for_their_innermost_frame_and_our_functions_inclusively(
     assert groups["our service (service/)"] == 0.3
     assert groups["copy.deepcopy (vLLM's tokenizer pool)"] == 0.1
     top = dict(summary["top"])
-    assert top["<module> (service/__main__.py:1)"] == 0.9
+    assert top[MAIN] == 0.9
     assert top["prepare_prompts (service/prompts.py:99)"] == 0.1
