@@ -235,16 +235,21 @@ def main() -> None:
         "--variants", default=";".join(VARIANTS), help="';'-separated, of: " + "; ".join(VARIANTS)
     )
     parser.add_argument("--py-spy", action="store_true", help="sample our frontend with py-spy")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="run the variants this many times, interleaved"
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     options = parser.parse_args()
     model_dir = prepare_default_model()
     options.out.mkdir(parents=True, exist_ok=True)
     results = {"vllm_openai": profile_vllm(model_dir)}
-    for name in options.variants.split(";"):
-        print(f"profile: ours, {name}", flush=True)
-        slug = "-".join(name.replace(",", "").split())
-        spy_out = options.out / f"py-spy-{slug}.txt" if options.py_spy else None
-        results[f"ours {name}"] = profile_ours(model_dir, VARIANTS[name], spy_out)
+    for round_number in range(1, options.rounds + 1):
+        for name in options.variants.split(";"):
+            label = name if options.rounds == 1 else f"{name} #{round_number}"
+            print(f"profile: ours, {label}", flush=True)
+            slug = "-".join(label.replace(",", "").replace("#", "").split())
+            spy_out = options.out / f"py-spy-{slug}.txt" if options.py_spy else None
+            results[f"ours {label}"] = profile_ours(model_dir, VARIANTS[name], spy_out)
     record = {
         "workload": asdict(WORKLOAD),
         "variants": {name: asdict(variant) for name, variant in VARIANTS.items()},
