@@ -20,6 +20,20 @@ ENGINE_ARGS = {"dtype": "float32", "max_model_len": 2048, "kv_cache_gib": 2}
 START_TIMEOUT = 600
 
 
+def engine_flags(model_dir: Path, served_name: str, max_model_len: int) -> list[str]:
+    """The engine settings both servers take under the same flag names."""
+    return [
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        served_name,
+        "--dtype",
+        ENGINE_ARGS["dtype"],
+        "--max-model-len",
+        str(max_model_len),
+    ]
+
+
 class PeakRss(threading.Thread):
     """Samples the summed resident memory of process trees; keeps the peak."""
 
@@ -67,15 +81,8 @@ class VllmOpenAIServer:
             sys.executable,
             "-m",
             "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(model_dir),
-            "--served-model-name",
-            served_name,
-            "--dtype",
-            ENGINE_ARGS["dtype"],
-            "--enforce-eager",
-            "--max-model-len",
-            str(max_model_len),
+            *engine_flags(model_dir, served_name, max_model_len),
+            "--enforce-eager",  # ours sets it itself on a CPU
             "--host",
             "127.0.0.1",
             "--port",
@@ -123,14 +130,7 @@ class OurStack:
             http_port=free_port(),
             admin_port=free_port(),
             service_args=[
-                "--model",
-                str(model_dir),
-                "--served-model-name",
-                served_name,
-                "--dtype",
-                ENGINE_ARGS["dtype"],
-                "--max-model-len",
-                str(ENGINE_ARGS["max_model_len"]),
+                *engine_flags(model_dir, served_name, ENGINE_ARGS["max_model_len"]),
                 "--kv-cache-gib",
                 str(ENGINE_ARGS["kv_cache_gib"]),
                 "--metrics-port",

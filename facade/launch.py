@@ -107,12 +107,24 @@ def envoy_command(
     return command
 
 
+def from_env(name: str, fallback: object = None) -> str | None:
+    """The variable's text, else the fallback's: argparse converts (and rejects) a text default
+    as it does a flag's value, so a bad value gets a usage error rather than a traceback."""
+    value = os.environ.get(name) or fallback
+    return None if value is None else str(value)
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--http-port", type=int, default=int(os.environ.get("HTTP_PORT", 8080)))
-    parser.add_argument(
-        "--admin-port", type=int, default=int(os.environ.get("ENVOY_ADMIN_PORT", 9901))
-    )
+    parser.add_argument("--http-port", type=int, default=from_env("HTTP_PORT", 8080))
+    parser.add_argument("--admin-port", type=int, default=from_env("ENVOY_ADMIN_PORT", 9901))
     parser.add_argument(
         "--upstream",
         type=parse_address,
@@ -122,25 +134,26 @@ def main() -> None:
     parser.add_argument(
         "--max-request-bytes",
         type=int,
-        default=int(os.environ.get("MAX_REQUEST_BYTES", DEFAULT_MAX_REQUEST_BYTES)),
+        default=from_env("MAX_REQUEST_BYTES", DEFAULT_MAX_REQUEST_BYTES),
         help="larger REST bodies get 413",
     )
     parser.add_argument(
         "--listen-host",
-        default=os.environ.get("LISTEN_HOST", "127.0.0.1"),
+        default=from_env("LISTEN_HOST", "127.0.0.1"),
         help="address the REST listener binds (0.0.0.0 in a container); admin stays on loopback",
     )
     parser.add_argument(
         "--concurrency",
-        type=int,
-        default=int(os.environ["ENVOY_CONCURRENCY"])
-        if os.environ.get("ENVOY_CONCURRENCY")
-        else None,
-        help="Envoy worker threads (default: one per hardware thread)",
+        type=positive_int,
+        default=from_env("ENVOY_CONCURRENCY"),
+        help="Envoy worker threads (env ENVOY_CONCURRENCY; default: one per hardware thread)",
     )
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args()
-    upstreams = args.upstream or [("127.0.0.1", int(os.environ.get("GRPC_PORT", 50051)))]
+    try:
+        upstreams = args.upstream or [parse_address(f"127.0.0.1:{from_env('GRPC_PORT', 50051)}")]
+    except argparse.ArgumentTypeError as error:
+        parser.error(f"GRPC_PORT: {error}")
     config = render_config(
         args.http_port,
         args.admin_port,

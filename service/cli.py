@@ -31,7 +31,8 @@ def add_option(
     secret: bool = False,
 ) -> None:
     raw = os.environ.get(env)
-    value = convert(raw) if raw not in (None, "") else default
+    # A text default is converted (and a bad one refused with a usage error) like a flag.
+    value = raw if raw not in (None, "") else default
     shown = "unset" if secret else "%(default)s"  # a key from the environment is never printed
     parser.add_argument(
         flag, default=value, type=convert, help=f"{help_text} [env {env}; default: {shown}]"

@@ -58,8 +58,8 @@ class CompletionHandler:
         self.model = model
         self.limits = limits
         # As many tokenizing threads as vLLM's own renderer (one by default). With more, calls
-        # overlap in vLLM's tokenizer pool, which then deep-copies the whole tokenizer (profiled:
-        # up to a quarter of the server's CPU in a short benchmark).
+        # overlap in vLLM's tokenizer pool, which then deep-copies the whole tokenizer (py-spy:
+        # 18-19% of this server's samples in `make profile`).
         self.tokenizing = ThreadPoolExecutor(
             max_workers=model.engine.model_config.renderer_num_workers,
             thread_name_prefix="tokenize",

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
+
+import pytest
 
 from service import __version__
 
@@ -37,21 +40,49 @@ def test_version() -> None:
 
 
 def test_help_never_prints_the_api_key() -> None:
-    import os
-
     text = run("serve", "--help", env={**os.environ, "API_KEY": "secret-key-xyz"})
     assert "secret-key-xyz" not in text
 
 
-def test_an_unknown_event_loop_is_refused_with_the_choices() -> None:
+@pytest.mark.parametrize(
+    ("args", "env"), [(["--event-loop", "trio"], {}), ([], {"EVENT_LOOP": "trio"})]
+)
+def test_an_unknown_event_loop_is_refused_with_the_choices(
+    args: list[str], env: dict[str, str]
+) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "service", "serve", "--event-loop", "trio"],
+        [sys.executable, "-m", "service", "serve", *args],
         capture_output=True,
         text=True,
         timeout=120,
+        env={**os.environ, **env},
     )
     assert done.returncode == 2
-    assert "must be one of: asyncio, uvloop" in done.stderr
+    assert "argument --event-loop: must be one of: asyncio, uvloop" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"ENVOY_CONCURRENCY": "abc"}, "argument --concurrency"),
+        ({"ENVOY_CONCURRENCY": "0"}, "must be at least 1"),
+        ({"HTTP_PORT": "http"}, "argument --http-port"),
+        ({"GRPC_PORT": "grpc"}, "GRPC_PORT: expected HOST:PORT"),
+    ],
+)
+def test_envoy_launcher_refuses_bad_environment_with_a_usage_error(
+    env: dict[str, str], message: str
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "facade.launch"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **env},
+    )
+    assert done.returncode == 2
+    assert message in done.stderr and "Traceback" not in done.stderr
 
 
 def test_subcommands_are_listed() -> None:
