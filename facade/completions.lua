@@ -10,6 +10,7 @@
 
 local END_EVENT = 'data: {"choices":[]}\n\n'
 local DONE_EVENT = "data: [DONE]\n\n"
+local EVENT_PREFIX = "data: "
 -- The transcoder prints repeated fields even when empty; the error chunk has no choices.
 local ERROR_EVENT_START = 'data: {"choices":[],"error":'
 local ERROR_EVENT_START_CLEAN = 'data: {"error":'
@@ -27,8 +28,15 @@ local function replace_plain(text, old, new)
   return table.concat(result)
 end
 
+-- gRPC's own headers mean nothing to a REST client.
+local function strip_grpc_headers(headers)
+  headers:remove("grpc-accept-encoding")
+  headers:remove("grpc-encoding")
+end
+
 local function reply_with_error(handle, headers, status)
   local body = headers:get("x-error-body") or '{"detail":"error"}'
+  strip_grpc_headers(headers)
   headers:remove("x-http-status")
   headers:remove("x-error-body")
   headers:replace(":status", status)
@@ -36,17 +44,30 @@ local function reply_with_error(handle, headers, status)
   handle:body(true):setBytes(body)
 end
 
+-- Streams the reply instead of buffering it, so a whole reply is bounded only by the
+-- transcoder's reply limit. The transcoder prints compact JSON (a newline inside a string is
+-- the escape `\n`), so the event's only raw newlines are its closing "\n\n".
 local function reply_with_json(handle, headers)
   headers:remove("x-response-framing")
+  strip_grpc_headers(headers)
   headers:replace("content-type", "application/json")
-  local body = handle:body(true)
-  local event = body:getBytes(0, body:length())
-  local json = string.match(event, "^data: (.*)\n\n$") or event
-  body:setBytes(json)
+  local first = true
+  for chunk in handle:bodyChunks() do
+    local text = chunk:getBytes(0, chunk:length())
+    local json = string.gsub(text, "\n", "")
+    if first and string.sub(json, 1, #EVENT_PREFIX) == EVENT_PREFIX then
+      json = string.sub(json, #EVENT_PREFIX + 1)
+    end
+    first = first and #json == 0
+    if json ~= text then
+      chunk:setBytes(json)
+    end
+  end
 end
 
 local function stream_events(handle, headers)
   headers:remove("x-response-framing")
+  strip_grpc_headers(headers)
   headers:replace("cache-control", "no-cache")
   for chunk in handle:bodyChunks() do
     local text = chunk:getBytes(0, chunk:length())
@@ -55,6 +76,18 @@ local function stream_events(handle, headers)
     if framed ~= text then
       chunk:setBytes(framed)
     end
+  end
+end
+
+-- The transcoder drops content-length; envoy.yaml's local_reply_config reads the body size
+-- from this copy to decide whether a parse error may quote the offending value.
+function envoy_on_request(handle)
+  local headers = handle:headers()
+  local length = headers:get("content-length")
+  if length ~= nil then
+    headers:replace("x-request-body-bytes", length)
+  else
+    headers:remove("x-request-body-bytes")
   end
 end
 

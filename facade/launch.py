@@ -1,4 +1,4 @@
-"""Start Envoy with envoy.yaml, set to the given ports and upstream gRPC service.
+"""Start Envoy with envoy.yaml, set to the given ports, limits and upstream gRPC service.
 
 Usage: python -m facade.launch [--http-port 8080] [--admin-port 9901] [--upstream 127.0.0.1:50051]
 """
@@ -22,6 +22,14 @@ LUA_FILE = FACADE_DIR / "completions.lua"
 DESCRIPTOR_FILE = FACADE_DIR / "completions.pb"
 OPENAPI_FILE = FACADE_DIR / "openapi.json"
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+# A whole JSON reply: room for the JSON of the largest gRPC message (16 MiB by default).
+DEFAULT_MAX_REPLY_BYTES = 64 * 1024 * 1024
+MAX_REPLY_HEADER = "x-max-reply-bytes"
+# Operators' debugging aid, off by default: which replica served a call, and how long it took.
+DEBUG_HEADERS = [
+    {"header": {"key": "x-upstream-host", "value": "%UPSTREAM_REMOTE_ADDRESS%"}},
+    {"header": {"key": "x-upstream-service-time", "value": "%RESPONSE_DURATION%"}},
+]
 
 
 def connection_manager(config: dict[str, Any]) -> dict[str, Any]:
@@ -56,12 +64,18 @@ def parse_address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def grpc_route(config: dict[str, Any]) -> dict[str, Any]:
+    return next(r for r in routes(config) if "route" in r)
+
+
 def render_config(
     http_port: int,
     admin_port: int,
     upstreams: list[tuple[str, int]],
     listen_host: str = "127.0.0.1",
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
+    debug_headers: bool = False,
 ) -> dict[str, Any]:
     """envoy.yaml with ports, upstream endpoints, limits and absolute file paths filled in."""
     config = yaml.safe_load(ENVOY_TEMPLATE.read_text())
@@ -74,6 +88,13 @@ def render_config(
     )
     transcoder = filter_config(config, "envoy.filters.http.grpc_json_transcoder")
     transcoder["proto_descriptor"] = str(DESCRIPTOR_FILE)
+    transcoder["max_response_body_size"] = max_reply_bytes
+    route = grpc_route(config)
+    for added in route["request_headers_to_add"]:
+        if added["header"]["key"] == MAX_REPLY_HEADER:
+            added["header"]["value"] = str(max_reply_bytes)
+    if debug_headers:
+        route["response_headers_to_add"] = DEBUG_HEADERS
     filter_config(config, "envoy.filters.http.buffer")["max_request_bytes"] = max_request_bytes
     for route in routes(config):
         body = route.get("direct_response", {}).get("body", {})
@@ -135,7 +156,21 @@ def main() -> None:
         "--max-request-bytes",
         type=int,
         default=from_env("MAX_REQUEST_BYTES", DEFAULT_MAX_REQUEST_BYTES),
-        help="larger REST bodies get 413",
+        help="larger REST request bodies get 413 (env MAX_REQUEST_BYTES)",
+    )
+    parser.add_argument(
+        "--max-reply-bytes",
+        type=positive_int,
+        default=from_env("MAX_REPLY_BYTES", DEFAULT_MAX_REPLY_BYTES),
+        help="largest whole (non-streamed) JSON reply; a larger one is refused with a 400 "
+        "that says to stream it (env MAX_REPLY_BYTES)",
+    )
+    parser.add_argument(
+        "--debug-headers",
+        action="store_true",
+        default=os.environ.get("ENVOY_DEBUG_HEADERS", "") in ("1", "true", "yes", "on"),
+        help="add x-upstream-host and x-upstream-service-time to REST and gRPC replies "
+        "(env ENVOY_DEBUG_HEADERS=1; off by default: they reveal internal addresses)",
     )
     parser.add_argument(
         "--listen-host",
@@ -160,6 +195,8 @@ def main() -> None:
         upstreams,
         listen_host=args.listen_host,
         max_request_bytes=args.max_request_bytes,
+        max_reply_bytes=args.max_reply_bytes,
+        debug_headers=args.debug_headers,
     )
     config_path = write_config(config)
     command = envoy_command(config_path, args.log_level, args.concurrency)

@@ -18,7 +18,6 @@ RETRY_AFTER_SECONDS = 1
 
 class OverloadedError(CompletionError):
     grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
-    http_status = 429
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return (("retry-after", str(RETRY_AFTER_SECONDS)),)

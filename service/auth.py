@@ -7,15 +7,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from service.errors import CompletionError, rest_error_metadata
-from service.rest_framing import TRANSCODED_MARKER
+from service.errors import CompletionError
+from service.rest_bridge import error_metadata, rest_call
 
 BEARER = "bearer "
 
 
 class UnauthenticatedError(CompletionError):
     grpc_code = grpc.StatusCode.UNAUTHENTICATED
-    http_status = 401
 
 
 def presented_key(metadata: tuple[tuple[str, str | bytes], ...]) -> str | None:
@@ -47,8 +46,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         metadata = tuple(handler_call_details.invocation_metadata or ())
         if key_matches(presented_key(metadata), self._api_key):
             return await continuation(handler_call_details)
-        transcoded = any(key == TRANSCODED_MARKER for key, _ in metadata)
-        return grpc.unary_stream_rpc_method_handler(refusal(transcoded))
+        return grpc.unary_stream_rpc_method_handler(refusal(rest_call(metadata) is not None))
 
 
 def refusal(transcoded: bool) -> Callable[[object, grpc.aio.ServicerContext], AsyncIterator[None]]:
@@ -57,7 +55,7 @@ def refusal(transcoded: bool) -> Callable[[object, grpc.aio.ServicerContext], As
     )
 
     async def refuse(_: object, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
-        metadata = rest_error_metadata(error) if transcoded else ()
+        metadata = error_metadata(error) if transcoded else ()
         await context.abort(error.grpc_code, error.message, trailing_metadata=metadata)
         yield None  # makes this an async generator, as a server-streaming handler must be
 

@@ -182,7 +182,7 @@ def add_limit_options(parser: argparse.ArgumentParser) -> None:
         "--max-constraint-bytes",
         "MAX_CONSTRAINT_BYTES",
         defaults.max_constraint_bytes,
-        "size of a schema, regex, grammar or choices",
+        "size of a schema, regex, grammar, choices or the stop strings",
         int,
     )
     add_option(

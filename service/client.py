@@ -25,6 +25,10 @@ from llmcompletions.v2.completions_pb2 import CreateCompletionRequest, CreateCom
 
 Metadata = Sequence[tuple[str, str]]
 DEFAULT_TIMEOUT_SECONDS = 300.0
+# gRPC clients accept 4 MiB messages by default; a whole reply may be as large as the server
+# sends (its --max-message-bytes, 16 MiB by default).
+MAX_REPLY_BYTES = 16 * 1024 * 1024
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_REPLY_BYTES)]
 
 
 def build_request(
@@ -56,7 +60,7 @@ class CompletionClient:
         timeout: float | None = DEFAULT_TIMEOUT_SECONDS,
         channel: grpc.Channel | None = None,
     ) -> None:
-        self._channel = channel or grpc.insecure_channel(target)
+        self._channel = channel or grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._stub = completions_pb2_grpc.CompletionServiceStub(self._channel)
         self._api_key = api_key
         self._timeout = timeout
@@ -118,7 +122,7 @@ class AsyncCompletionClient:
         timeout: float | None = DEFAULT_TIMEOUT_SECONDS,
         channel: grpc.aio.Channel | None = None,
     ) -> None:
-        self._channel = channel or grpc.aio.insecure_channel(target)
+        self._channel = channel or grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._stub = completions_pb2_grpc.CompletionServiceStub(self._channel)
         self._api_key = api_key
         self._timeout = timeout

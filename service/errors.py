@@ -1,27 +1,48 @@
-"""Errors a completion request can end with, and how each reaches gRPC and REST callers.
+"""Errors a completion request can end with: a gRPC code, a message and, for validation,
+the fields at fault. How they reach REST callers is `service.rest_bridge`'s business.
 
-Each error knows its gRPC code, its REST status and REST JSON body (CONTRACT.md's table).
-REST callers get the body through Envoy: the servicer sends it in trailing metadata that
-the facade's Lua filter turns into the HTTP response.
+Messages and field descriptions are bounded: a value quoted from the request is clipped
+(`quote`), and every message is cut to a byte budget, whatever produced it (our validation,
+the engine, a structured-output compiler). The whole error then travels in response metadata
+well within gRPC's 8 KiB metadata limit and Envoy's header limits (docs/api.md, "Errors").
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
-from typing import Any
 
 import grpc
 from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
-# Bounded so that the status fits gRPC's 8 KiB metadata soft limit.
-MAX_REPORTED_VIOLATIONS = 20
-MAX_MESSAGE_CHARS = 300
+# A value quoted from the request shows at most this many characters.
+MAX_QUOTED_CHARS = 256
+# Byte budgets (UTF-8) of what travels in metadata; gRPC percent-encodes the message.
+MAX_MESSAGE_BYTES = 384
+MAX_VIOLATION_BYTES = 320
+MAX_VIOLATIONS_BYTES = 768
+ELLIPSIS = "…"
 
 Loc = tuple[str | int, ...]
+
+
+def clip(text: str, max_bytes: int) -> str:
+    """`text` cut to at most `max_bytes` of UTF-8, ending in an ellipsis if it was cut."""
+    encoded = text.encode()
+    if len(encoded) <= max_bytes:
+        return text
+    room = max_bytes - len(ELLIPSIS.encode())
+    return encoded[:room].decode(errors="ignore") + ELLIPSIS
+
+
+def quote(value: object) -> str:
+    """A request value for a message: in backticks, at most MAX_QUOTED_CHARS characters."""
+    text = str(value)
+    if len(text) > MAX_QUOTED_CHARS:
+        text = f"{text[:MAX_QUOTED_CHARS]}{ELLIPSIS} ({len(text)} characters)"
+    return f"`{text}`"
 
 
 @dataclass(frozen=True)
@@ -45,14 +66,15 @@ class CompletionError(Exception):
     """A request that ends with an error status instead of a completion."""
 
     grpc_code: grpc.StatusCode = grpc.StatusCode.INTERNAL
-    http_status: int = 500
 
     def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
+        self.message = clip(message, MAX_MESSAGE_BYTES)
+        super().__init__(self.message)
 
-    def rest_body(self) -> dict[str, Any]:
-        return {"detail": self.message}
+    @property
+    def violations(self) -> Sequence[FieldViolation]:
+        """The fields at fault, for validation errors."""
+        return ()
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         """Extra trailing metadata (headers through Envoy), e.g. a retry hint."""
@@ -66,30 +88,38 @@ class CompletionError(Exception):
         return status_pb2.Status(code=code, message=self.message, details=self.status_details())
 
 
+def within_budget(violations: Sequence[FieldViolation]) -> list[FieldViolation]:
+    """The violations, each description clipped, as many as fit the budget (at least one)."""
+    kept: list[FieldViolation] = []
+    spent = 0
+    for violation in violations:
+        clipped = replace(violation, msg=clip(violation.msg, MAX_VIOLATION_BYTES))
+        spent += len(clipped.msg.encode()) + len(clipped.field_path)
+        if kept and spent > MAX_VIOLATIONS_BYTES:
+            break
+        kept.append(clipped)
+    return kept
+
+
 class RequestValidationError(CompletionError):
     grpc_code = grpc.StatusCode.INVALID_ARGUMENT
-    http_status = 422
 
     def __init__(self, violations: Sequence[FieldViolation]) -> None:
-        self.violations = list(violations)[:MAX_REPORTED_VIOLATIONS]
-        summary = "; ".join(f"{v.field_path}: {v.msg}" for v in self.violations)
-        super().__init__(f"invalid request: {summary}")
+        self._violations = within_budget(violations)
+        omitted = len(violations) - len(self._violations)
+        summary = "; ".join(f"{v.field_path}: {v.msg}" for v in self._violations)
+        more = f" ({omitted} more not shown)" if omitted else ""
+        super().__init__(f"invalid request{more}: {summary}")
 
-    def rest_body(self) -> dict[str, Any]:
-        return {
-            "detail": [
-                {"loc": ["body", *v.loc], "msg": v.msg[:MAX_MESSAGE_CHARS], "type": v.type}
-                for v in self.violations
-            ]
-        }
+    @property
+    def violations(self) -> Sequence[FieldViolation]:
+        return self._violations
 
     def status_details(self) -> list[any_pb2.Any]:
         bad_request = error_details_pb2.BadRequest(
             field_violations=[
-                error_details_pb2.BadRequest.FieldViolation(
-                    field=v.field_path, description=v.msg[:MAX_MESSAGE_CHARS]
-                )
-                for v in self.violations
+                error_details_pb2.BadRequest.FieldViolation(field=v.field_path, description=v.msg)
+                for v in self._violations
             ]
         )
         packed = any_pb2.Any()
@@ -99,17 +129,17 @@ class RequestValidationError(CompletionError):
 
 class ModelNotFoundError(CompletionError):
     grpc_code = grpc.StatusCode.NOT_FOUND
-    http_status = 404
 
     def __init__(self, requested: str, served: str) -> None:
-        super().__init__(f"The model `{requested}` does not exist; this server serves `{served}`.")
+        super().__init__(
+            f"The model {quote(requested)} does not exist; this server serves {quote(served)}."
+        )
 
 
 class ContextLengthError(CompletionError):
     """A well-formed request that cannot fit the model's context."""
 
     grpc_code = grpc.StatusCode.OUT_OF_RANGE
-    http_status = 400
 
     def __init__(self, max_model_len: int, prompt_tokens: int, max_tokens: int) -> None:
         super().__init__(
@@ -119,20 +149,25 @@ class ContextLengthError(CompletionError):
         )
 
 
+class ReplyTooLargeError(CompletionError):
+    """A well-formed request whose whole reply is larger than the surface can carry."""
+
+    grpc_code = grpc.StatusCode.OUT_OF_RANGE
+
+    def __init__(self, size: int, limit: int, what: str) -> None:
+        super().__init__(
+            f"The reply is {size} bytes, over the {limit}-byte limit of {what}. Set `stream` "
+            "to true to receive it in pieces, ask for less (fewer prompts, n, logprobs or "
+            "echo), or have the operator raise the limit."
+        )
+
+
 class EngineUnavailableError(CompletionError):
     grpc_code = grpc.StatusCode.UNAVAILABLE
-    http_status = 503
 
 
 class InternalError(CompletionError):
     grpc_code = grpc.StatusCode.INTERNAL
-    http_status = 500
-
-
-def rest_error_metadata(error: CompletionError) -> tuple[tuple[str, str], ...]:
-    """Trailing metadata from which the facade builds the REST status and JSON body."""
-    body = json.dumps(error.rest_body(), ensure_ascii=True, separators=(",", ":"))
-    return (("x-http-status", str(error.http_status)), ("x-error-body", body))
 
 
 def utc_timestamp() -> str:

@@ -22,6 +22,7 @@ from service.beam_search import BeamSearchSettings
 from service.errors import CompletionError, utc_timestamp
 from service.logprobs import StepLogprobs, next_offset, token_logprobs
 from service.prompts import PreparedPrompt
+from service.rest_bridge import http_status
 
 OBJECT_TYPE = "text_completion"
 
@@ -218,7 +219,7 @@ def stream_error_chunk(error: CompletionError) -> CreateCompletionResponse:
     """The reference's stream error chunk: only `error` set."""
     return CreateCompletionResponse(
         error=StreamError(
-            status_code=error.http_status,
+            status_code=http_status(error.grpc_code),
             content=StreamErrorContent(error=error.message, timestamp=utc_timestamp()),
         )
     )

@@ -52,6 +52,7 @@ def build_server(
         CompletionServicer(
             lambda: state.handler,
             Admission(settings.max_in_flight, settings.max_waiting),
+            max_message_bytes=settings.max_message_bytes,
             log_prompts=settings.log_prompts,
             fault_injection=settings.fault_injection,
         ),

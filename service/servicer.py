@@ -18,13 +18,13 @@ from service.errors import (
     CompletionError,
     EngineUnavailableError,
     InternalError,
-    rest_error_metadata,
+    ReplyTooLargeError,
 )
 from service.faults import requested_fault
 from service.observability import RequestRecord
 from service.request_identity import REQUEST_ID_HEADER, request_id
 from service.responses import stream_error_chunk
-from service.rest_framing import END_OF_EVENTS, framing_metadata, is_transcoded
+from service.rest_bridge import END_OF_EVENTS, RestCall, error_metadata, rest_call
 
 logger = logging.getLogger(__name__)
 
@@ -37,18 +37,20 @@ class CompletionServicer(completions_pb2_grpc.CompletionServiceServicer):
         self,
         handler: Callable[[], CompletionHandler | None],
         admission: Admission,
+        max_message_bytes: int,
         log_prompts: bool = False,
         fault_injection: bool = False,
     ) -> None:
         self._handler = handler  # None until the engine is ready
         self._admission = admission
+        self._max_message_bytes = max_message_bytes
         self._log_prompts = log_prompts
         self._fault_injection = fault_injection
 
     async def CreateCompletion(
         self, request: CreateCompletionRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[CreateCompletionResponse]:
-        transcoded = is_transcoded(context)
+        rest = rest_call(context.invocation_metadata())
         record = self.record(request, request_id(context))
         identity = ((REQUEST_ID_HEADER, record.request_id),)
         sent_any = False
@@ -57,8 +59,9 @@ class CompletionServicer(completions_pb2_grpc.CompletionServiceServicer):
         try:
             async with self._admission.slot():
                 async for message in self.handler().complete(request, record, fail_after):
+                    self.check_size(message, request.stream, rest)
                     if not sent_any:
-                        framing = framing_metadata(request.stream) if transcoded else ()
+                        framing = rest.framing(request.stream) if rest else ()
                         await context.send_initial_metadata(identity + framing)
                     sent_any = True
                     record.message_sent(message)
@@ -73,7 +76,7 @@ class CompletionServicer(completions_pb2_grpc.CompletionServiceServicer):
             failure = InternalError("Internal error; the server log has the details.")
         if failure is None:
             record.finish("OK")
-            if transcoded and request.stream:
+            if rest and request.stream:
                 yield END_OF_EVENTS
             return
         record.finish(failure.grpc_code.name)
@@ -81,7 +84,16 @@ class CompletionServicer(completions_pb2_grpc.CompletionServiceServicer):
             # After the first message an error travels in-band, then ends the call.
             yield stream_error_chunk(failure)
             await context.abort(failure.grpc_code, failure.message, failure.metadata())
-        await abort_before_output(context, failure, transcoded, identity)
+        await abort_before_output(context, failure, rest, identity)
+
+    def check_size(
+        self, message: CreateCompletionResponse, stream: bool, rest: RestCall | None
+    ) -> None:
+        size = message.ByteSize()
+        if size > self._max_message_bytes:
+            raise ReplyTooLargeError(size, self._max_message_bytes, "a gRPC message")
+        if rest and not stream:
+            rest.check_whole_reply(message)
 
     def record(self, request: CreateCompletionRequest, request_id: str) -> RequestRecord:
         prompts = None
@@ -106,12 +118,12 @@ class CompletionServicer(completions_pb2_grpc.CompletionServiceServicer):
 async def abort_before_output(
     context: grpc.aio.ServicerContext,
     error: CompletionError,
-    transcoded: bool,
+    rest: RestCall | None,
     extra: tuple[tuple[str, str], ...] = (),
 ) -> None:
     """End the call with the error's status, its details and, for REST, its HTTP form."""
     status = rpc_status.to_status(error.rpc_status())
     metadata = tuple(status.trailing_metadata) + error.metadata() + extra
-    if transcoded:
-        metadata += rest_error_metadata(error)
+    if rest:
+        metadata += error_metadata(error)
     await context.abort(status.code, status.details, trailing_metadata=metadata)

@@ -33,7 +33,7 @@ class RequestLimits:
     max_prompts: int = 64
     max_choices: int = 256  # prompts x (best_of or n)
     max_prompt_tokens: int = 65536  # over all prompts; each must also fit the context
-    max_constraint_bytes: int = 65536  # guided_json/schema, regex, grammar, choices
+    max_constraint_bytes: int = 65536  # guided_json/schema, regex, grammar, choices, stop
     max_logit_bias: int = 1024
 
 

@@ -1,4 +1,5 @@
-"""Checks a completion request against every limit of CONTRACT.md, collecting all violations."""
+"""Checks a completion request against every limit of the API (docs/api.md, "Requests"), collecting
+all violations."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 from google.protobuf import struct_pb2
 from llmcompletions.v2.completions_pb2 import CreateCompletionRequest
 
-from service.errors import FieldViolation, Loc, RequestValidationError
+from service.errors import FieldViolation, Loc, RequestValidationError, quote
 from service.prompts import PromptFormError, PromptInput, parse_prompt
 from service.sampling import requested_max_tokens
 from service.settings import RequestLimits
@@ -242,15 +243,16 @@ def check_backend(request: CreateCompletionRequest, available: str, found: Viola
     if request.guided_decoding_backend not in (available, ""):
         found.add(
             ("guided_decoding_backend",),
-            f"guided_decoding_backend {request.guided_decoding_backend!r} is not available; "
+            f"guided_decoding_backend {quote(request.guided_decoding_backend)} is not available; "
             f"this server runs: {available}",
             "literal_error",
         )
 
 
 def constraint_sizes(request: CreateCompletionRequest) -> dict[str, int]:
-    """The size in bytes of each output constraint the request carries."""
+    """The size in bytes of each output constraint (and of the stop strings) it carries."""
     sizes = {
+        "stop": request.stop.ByteSize() if request.HasField("stop") else 0,
         "guided_json": request.guided_json.ByteSize() if request.HasField("guided_json") else 0,
         "guided_regex": len(request.guided_regex.encode()),
         "guided_grammar": len(request.guided_grammar.encode()),
@@ -298,7 +300,7 @@ def check_response_format(request: CreateCompletionRequest, found: Violations) -
         found.add(
             ("response_format", "type"),
             f"response_format.type must be one of {', '.join(RESPONSE_FORMAT_TYPES)}, "
-            f"got {response_format.type!r}",
+            f"got {quote(response_format.type)}",
             "literal_error",
         )
     if response_format.type != "json_schema":

@@ -31,6 +31,9 @@ FUZZ_SETTINGS = settings(
     derandomize=True,
 )
 ACCEPTED_REST = {200, 400, 404, 413, 422, 429}
+# However long the values an error quotes, its body and its metadata stay small.
+MAX_ERROR_BODY_BYTES = 4096
+MAX_ERROR_METADATA_BYTES = 8192
 REFUSED_GRPC = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
 FIELDS = [
     field.name for field in CreateCompletionRequest.DESCRIPTOR.fields if field.name != "model"
@@ -70,7 +73,11 @@ json_values = st.recursive(
     ),
     max_leaves=12,
 )
-hostile_values = st.sampled_from(
+# Values an error message may quote: long, multi-byte, needing escapes.
+long_texts = st.sampled_from(
+    ["m" * 100_000, "\u00e9" * 50_000, "\u4e2d" * 40_000, '"\\' * 30_000, "\n\t" * 30_000]
+)
+hostile_values = long_texts | st.sampled_from(
     [
         "(a+)+$",
         "(.*a){25}",
@@ -101,7 +108,7 @@ hostile_values = st.sampled_from(
 )
 bodies = st.fixed_dictionaries(
     {
-        "model": st.sampled_from([MODEL, MODEL, "", "other"]) | json_values,
+        "model": st.sampled_from([MODEL, MODEL, "", "other"]) | json_values | long_texts,
         "prompt": st.sampled_from(["Hi", ["a", "b"], [1, 2]]) | json_values | hostile_values,
         "max_tokens": st.sampled_from([1, 2, 0, -1, None, "x", 2**40, 10**9]),
     },
@@ -136,6 +143,15 @@ def check_rest_reply(response: httpx.Response) -> None:
         return
     assert content_type.startswith("application/json"), (response.status_code, content_type)
     json.loads(response.text)
+    if response.status_code != 200:
+        assert len(response.content) <= MAX_ERROR_BODY_BYTES, response.text[:500]
+
+
+def check_grpc_error(error: grpc.RpcError) -> None:
+    assert error.code() not in REFUSED_GRPC, (error.code(), error.details())
+    metadata = error.trailing_metadata() or ()
+    size = sum(len(key) + len(value) for key, value in metadata) + len(error.details() or "")
+    assert size <= MAX_ERROR_METADATA_BYTES, (error.code(), size)
 
 
 def test_rest_survives_hostile_bodies(stack: Stack) -> None:
@@ -184,7 +200,7 @@ def test_grpc_survives_hostile_requests(stack: Stack) -> None:
             try:
                 list(stub.CreateCompletion(request, timeout=120, metadata=GRPC_AUTH))
             except grpc.RpcError as error:
-                assert error.code() not in REFUSED_GRPC, (error.code(), error.details())
+                check_grpc_error(error)
 
         send()
 

@@ -118,6 +118,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterat
         str(http_port),
         "--admin-port",
         str(admin_port),
+        "--debug-headers",  # x-upstream-host names the replica that served each stream
     ]
     for replica in replicas:
         command += ["--upstream", replica.host]

@@ -1,4 +1,4 @@
-"""Every range limit of CONTRACT.md, on both sides of the bound, through REST."""
+"""Every range limit of the API (docs/api.md, "Requests"), both sides of each bound, via REST."""
 
 from __future__ import annotations
 
