@@ -1,5 +1,6 @@
 # make serve   install what is missing, prepare the default model, run the service and Envoy
-# make test    install what is missing, run the whole test suite
+# make test    install what is missing, run the unit tests, then the whole suite on the real stack
+# make unit    install what is missing, run only the unit tests (tests/unit: no engine, no Envoy)
 # make proto   rebuild generated code from proto/    make lint   ruff and buf lint
 # make bench   the serving benchmark against vLLM's OpenAI server (BENCHMARKS.md)
 # make profile CPU per generated token of each server and serving-path option (BENCHMARKS.md)
@@ -15,7 +16,10 @@ export GRPC_PORT ?= 50051
 export HTTP_PORT ?= 8080
 export METRICS_PORT ?= 9400
 
-.PHONY: install serve test proto lint bench profile
+# The unit layer; --confcutdir keeps tests/conftest.py (it starts the engine and Envoy) unloaded.
+UNIT_TESTS := tests/unit --confcutdir=tests/unit
+
+.PHONY: install serve test unit proto lint bench profile
 
 install: $(STAMP)
 
@@ -35,8 +39,13 @@ serve: install
 	$(if $(MODEL),,$(BIN)/llm-completions prepare-model)
 	$(BIN)/python -m facade.stack
 
+# Unit tests first (seconds); a failure there stops before the stack starts.
 test: install
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -q $(UNIT_TESTS)
+	$(BIN)/python -m pytest tests --ignore=tests/unit
+
+unit: install
+	$(BIN)/python -m pytest -q $(UNIT_TESTS)
 
 # The side-by-side benchmark (about 25 minutes); results in bench/results/.
 bench: install

@@ -1,0 +1,118 @@
+"""Small stand-ins for the unit tests: a word-level tokenizer, request builders and hand-made
+vLLM outputs. Nothing here starts an engine or reads a model."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from google.protobuf import json_format
+from llmcompletions.v2.completions_pb2 import CreateCompletionRequest
+from vllm.logprobs import Logprob
+from vllm.outputs import CompletionOutput, RequestOutput
+
+MODEL = "smollm2-135m-instruct"
+VOCAB_SIZE = 100
+BOS, EOS = 0, 1
+# Token id -> text. Ids 0 and 1 are special; the rest are words with their leading space.
+WORDS = {
+    BOS: "<s>",
+    EOS: "</s>",
+    2: "The",
+    3: " capital",
+    4: " of",
+    5: " France",
+    6: " is",
+    7: " Paris",
+    8: ".",
+    9: " Lyon",
+    10: " A",
+    11: " B",
+    12: " C",
+    13: " D",
+    14: "Hi",
+    15: "é",
+}
+PIECE = re.compile(r"\s?[^\s.]+|\.")
+
+
+class FakeTokenizer:
+    """A word-level tokenizer over WORDS with the parts of vLLM's TokenizerLike the service
+    uses: encode, decode, bos/eos ids."""
+
+    bos_token_id = BOS
+    eos_token_id = EOS
+
+    def __init__(self) -> None:
+        self.ids = {text: token_id for token_id, text in WORDS.items()}
+        self.decode_calls: list[list[int]] = []
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = [self.ids[piece] for piece in PIECE.findall(text)]
+        return [BOS, *ids] if add_special_tokens else ids
+
+    def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        ids = list(token_ids)
+        self.decode_calls.append(ids)
+        return "".join(
+            WORDS.get(token_id, f"<{token_id}>")
+            for token_id in ids
+            if not (skip_special_tokens and token_id in (BOS, EOS))
+        )
+
+
+OMIT = object()  # make_request(model=OMIT) leaves the field out of the body
+
+
+def make_request(**fields: Any) -> CreateCompletionRequest:
+    """A request as the JSON body `fields` would give it; `model` and `prompt` are filled in
+    unless given (or left out with OMIT)."""
+    body: dict[str, Any] = {"model": MODEL, "prompt": "The capital of France is", **fields}
+    present = {name: value for name, value in body.items() if value is not OMIT}
+    return json_format.ParseDict(present, CreateCompletionRequest())
+
+
+def logprob_step(*entries: tuple[int, float], decoded: bool = True) -> dict[int, Logprob]:
+    """One position's log-probabilities in vLLM's order: the chosen token first, then by
+    rank. With `decoded`, each carries its text as vLLM's detokenizer fills it in."""
+    return {
+        token_id: Logprob(
+            logprob=value, rank=rank, decoded_token=WORDS.get(token_id) if decoded else None
+        )
+        for rank, (token_id, value) in enumerate(entries, start=1)
+    }
+
+
+def completion_output(
+    token_ids: Sequence[int],
+    index: int = 0,
+    finish_reason: str | None = "length",
+    logprobs: list[dict[int, Logprob]] | None = None,
+    cumulative_logprob: float | None = None,
+    text: str | None = None,
+) -> CompletionOutput:
+    return CompletionOutput(
+        index=index,
+        text="".join(WORDS[token_id] for token_id in token_ids) if text is None else text,
+        token_ids=list(token_ids),
+        cumulative_logprob=cumulative_logprob,
+        logprobs=logprobs,
+        finish_reason=finish_reason,
+    )
+
+
+def request_output(
+    outputs: list[CompletionOutput],
+    prompt_token_ids: Sequence[int] = (2, 3, 4, 5, 6),
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None,
+    request_id: str = "req",
+) -> RequestOutput:
+    return RequestOutput(
+        request_id=request_id,
+        prompt=None,
+        prompt_token_ids=list(prompt_token_ids),
+        prompt_logprobs=prompt_logprobs,
+        outputs=outputs,
+        finished=all(output.finish_reason is not None for output in outputs),
+    )
