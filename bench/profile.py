@@ -47,7 +47,7 @@ BEFORE_REF = "35f121a"
 @dataclass(frozen=True)
 class Variant:
     """Our stack from a git ref (None: this checkout), with environment for the service
-    (EVENT_LOOP) and the Envoy launcher (ENVOY_CONCURRENCY)."""
+    and the Envoy launcher (ENVOY_CONCURRENCY)."""
 
     ref: str | None = None
     env: dict[str, str] | None = None
@@ -56,7 +56,6 @@ class Variant:
 VARIANTS: dict[str, Variant] = {
     "before": Variant(ref=BEFORE_REF),
     "after": Variant(),
-    "after, uvloop": Variant(env={"EVENT_LOOP": "uvloop"}),
     "after, 1 Envoy worker": Variant(env={"ENVOY_CONCURRENCY": "1"}),
 }
 

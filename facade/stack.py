@@ -48,6 +48,7 @@ class Stack:
     env: dict[str, str] | None = None
     service_log: Path | None = None  # the service's output goes here instead of the terminal
     source: Path | None = None  # run the code of this checkout (e.g. an older one) instead
+    service_module: str = "service"  # `python -m` this to run the service
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     @property
@@ -65,7 +66,7 @@ class Stack:
         service = [
             python,
             "-m",
-            "service",
+            self.service_module,
             "serve",
             "--port",
             str(self.grpc_port),

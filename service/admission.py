@@ -4,14 +4,17 @@ refused at once, so memory stays bounded whatever the offered load."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
+from google.protobuf.message import Message
 from prometheus_client import Gauge
 
+from service.error_mapping import abort_with
 from service.errors import CompletionError
+from service.interception import StreamBehaviour, StreamInterceptor
 
+IN_FLIGHT = Gauge("llmcompletions_requests_in_flight", "Admitted requests being served")
 WAITING = Gauge("llmcompletions_requests_waiting", "Requests waiting for an admission slot")
 RETRY_AFTER_SECONDS = 1
 
@@ -32,8 +35,8 @@ class Admission:
         self._slots = asyncio.Semaphore(max_in_flight)
         self._waiting = 0
 
-    @contextlib.asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
+    async def enter(self) -> None:
+        """Wait for a slot; raise OverloadedError at once when too many already wait."""
         if self._slots.locked() and self._waiting >= self.max_waiting:
             raise OverloadedError(
                 f"The server is at capacity ({self.max_in_flight} requests in flight, "
@@ -46,7 +49,31 @@ class Admission:
         finally:
             self._waiting -= 1
             WAITING.dec()
+        IN_FLIGHT.inc()
+
+    def leave(self) -> None:
+        IN_FLIGHT.dec()
+        self._slots.release()
+
+
+class AdmissionInterceptor(StreamInterceptor):
+    def __init__(self, methods: frozenset[str], admission: Admission) -> None:
+        super().__init__(methods)
+        self._admission = admission
+
+    async def around(
+        self,
+        inner: StreamBehaviour,
+        method: str,
+        request: Message,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[Message]:
         try:
-            yield
+            await self._admission.enter()
+        except OverloadedError as error:
+            await abort_with(context, error)
+        try:
+            async for message in inner(request, context):
+                yield message
         finally:
-            self._slots.release()
+            self._admission.leave()

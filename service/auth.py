@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import hmac
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 import grpc
+from google.protobuf.message import Message
 
+from service.error_mapping import abort_with
 from service.errors import CompletionError
-from service.rest_bridge import error_metadata, rest_call
+from service.interception import StreamBehaviour, StreamInterceptor
 
 BEARER = "bearer "
 
@@ -29,34 +31,27 @@ def key_matches(presented: str | None, expected: str) -> bool:
     return presented is not None and hmac.compare_digest(presented.encode(), expected.encode())
 
 
-class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses calls to `protected` methods that lack `authorization: Bearer <key>`."""
+class ApiKeyInterceptor(StreamInterceptor):
+    """Refuses calls that lack `authorization: Bearer <key>`, before any other work."""
 
-    def __init__(self, api_key: str, protected: frozenset[str]) -> None:
+    def __init__(self, methods: frozenset[str], api_key: str) -> None:
+        super().__init__(methods)
         self._api_key = api_key
-        self._protected = protected
 
-    async def intercept_service(
+    async def around(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        if handler_call_details.method not in self._protected:
-            return await continuation(handler_call_details)
-        metadata = tuple(handler_call_details.invocation_metadata or ())
-        if key_matches(presented_key(metadata), self._api_key):
-            return await continuation(handler_call_details)
-        return grpc.unary_stream_rpc_method_handler(refusal(rest_call(metadata) is not None))
-
-
-def refusal(transcoded: bool) -> Callable[[object, grpc.aio.ServicerContext], AsyncIterator[None]]:
-    error = UnauthenticatedError(
-        "Missing or wrong API key: send the header `Authorization: Bearer <key>`."
-    )
-
-    async def refuse(_: object, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
-        metadata = error_metadata(error) if transcoded else ()
-        await context.abort(error.grpc_code, error.message, trailing_metadata=metadata)
-        yield None  # makes this an async generator, as a server-streaming handler must be
-
-    return refuse
+        inner: StreamBehaviour,
+        method: str,
+        request: Message,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[Message]:
+        metadata = tuple(context.invocation_metadata() or ())
+        if not key_matches(presented_key(metadata), self._api_key):
+            await abort_with(
+                context,
+                UnauthenticatedError(
+                    "Missing or wrong API key: send the header `Authorization: Bearer <key>`."
+                ),
+            )
+        async for message in inner(request, context):
+            yield message

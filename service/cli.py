@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -13,12 +14,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import uvloop
-
 from service import __version__
 from service.default_model import DEFAULT_SERVED_MODEL_NAME
 from service.logs import configure_logging
-from service.settings import RequestLimits
+from service.settings import EngineSettings, RequestLimits, ServerSettings
 
 
 def add_option(
@@ -62,7 +61,13 @@ def json_object(text: str) -> dict[str, Any]:
     return value
 
 
+def engine_defaults() -> dict[str, Any]:
+    """EngineSettings' defaults (it has no default model), the one source of the CLI's."""
+    return {field.name: field.default for field in dataclasses.fields(EngineSettings)}
+
+
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    defaults = engine_defaults()
     add_option(
         parser,
         "--model",
@@ -79,7 +84,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         f"name callers pass as `model` (unset: {DEFAULT_SERVED_MODEL_NAME} for the "
         "default model, else the model directory's name)",
     )
-    add_option(parser, "--dtype", "DTYPE", "auto", "weights dtype; auto is float32 on a CPU")
+    add_option(
+        parser, "--dtype", "DTYPE", defaults["dtype"], "weights dtype; auto is float32 on a CPU"
+    )
     add_option(
         parser,
         "--max-model-len",
@@ -100,7 +107,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         parser,
         "--structured-outputs-backend",
         "STRUCTURED_OUTPUTS_BACKEND",
-        "xgrammar",
+        defaults["structured_outputs_backend"],
         "backend for guided_* and response_format (xgrammar, guidance, outlines, "
         "lm-format-enforcer); requests may name only this one",
     )
@@ -108,7 +115,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         parser,
         "--tensor-parallel-size",
         "TENSOR_PARALLEL_SIZE",
-        1,
+        defaults["tensor_parallel_size"],
         "devices one model is sharded over (vLLM tensor parallelism)",
         int,
     )
@@ -116,7 +123,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         parser,
         "--pipeline-parallel-size",
         "PIPELINE_PARALLEL_SIZE",
-        1,
+        defaults["pipeline_parallel_size"],
         "pipeline stages the layers are split into (across GPUs or nodes)",
         int,
     )
@@ -124,7 +131,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         parser,
         "--data-parallel-size",
         "DATA_PARALLEL_SIZE",
-        1,
+        defaults["data_parallel_size"],
         "engine replicas inside this server (vLLM data parallelism)",
         int,
     )
@@ -147,14 +154,20 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
 
 def add_limit_options(parser: argparse.ArgumentParser) -> None:
     defaults = RequestLimits()
+    server = ServerSettings()
     add_option(
-        parser, "--max-in-flight", "MAX_IN_FLIGHT", 32, "completion requests served at once", int
+        parser,
+        "--max-in-flight",
+        "MAX_IN_FLIGHT",
+        server.max_in_flight,
+        "completion requests served at once",
+        int,
     )
     add_option(
         parser,
         "--max-waiting",
         "MAX_WAITING",
-        128,
+        server.max_waiting,
         "requests waiting for a turn; past it requests are refused (429)",
         int,
     )
@@ -197,15 +210,9 @@ def add_limit_options(parser: argparse.ArgumentParser) -> None:
         parser,
         "--max-message-bytes",
         "MAX_MESSAGE_BYTES",
-        16 * 1024 * 1024,
-        "largest gRPC message received or sent",
+        server.max_message_bytes,
+        "largest gRPC message received or sent (a whole reply is one message)",
         int,
-    )
-    add_switch(
-        parser,
-        "--enable-fault-injection",
-        "ENABLE_FAULT_INJECTION",
-        "tests only: honour the x-inject-fault metadata",
     )
 
 
@@ -226,8 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command")
     serve = commands.add_parser("serve", help="run the gRPC server (the default command)")
-    add_option(serve, "--host", "GRPC_HOST", "127.0.0.1", "address the gRPC server listens on")
-    add_option(serve, "--port", "GRPC_PORT", 50051, "gRPC port", int)
+    defaults = ServerSettings()
+    add_option(serve, "--host", "GRPC_HOST", defaults.host, "address the gRPC server listens on")
+    add_option(serve, "--port", "GRPC_PORT", defaults.port, "gRPC port", int)
     add_option(
         serve,
         "--api-key",
@@ -237,15 +245,17 @@ def build_parser() -> argparse.ArgumentParser:
         "stay open)",
         secret=True,
     )
-    add_option(serve, "--metrics-host", "METRICS_HOST", "127.0.0.1", "Prometheus endpoint address")
-    add_option(serve, "--metrics-port", "METRICS_PORT", 9400, "Prometheus endpoint port", int)
+    add_option(serve, "--metrics-host", "METRICS_HOST", defaults.metrics_host, "Prometheus address")
+    add_option(
+        serve, "--metrics-port", "METRICS_PORT", defaults.metrics_port, "Prometheus port", int
+    )
     add_switch(serve, "--log-prompts", "LOG_PROMPTS", "log prompts and outputs in request lines")
     add_limit_options(serve)
     add_option(
         serve,
         "--drain-delay",
         "DRAIN_DELAY_SECONDS",
-        0.0,
+        defaults.drain_delay_seconds,
         "on SIGTERM, seconds to keep accepting requests after health turns NOT_SERVING, "
         "so that a load balancer's health checks notice first (e.g. 5 behind Envoy: "
         "longer than its 2 s check interval plus 1 s timeout)",
@@ -253,18 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_option(
         serve,
-        "--event-loop",
-        "EVENT_LOOP",
-        "asyncio",
-        "the server's event loop: the standard one, or uvloop (no CPU saving measured here: "
-        "grpc.aio's own Cython core does the per-message work)",
-        one_of("asyncio", "uvloop"),
-    )
-    add_option(
-        serve,
         "--shutdown-grace",
         "SHUTDOWN_GRACE_SECONDS",
-        30.0,
+        defaults.shutdown_grace_seconds,
         "seconds in-flight requests get to finish on SIGTERM",
         float,
     )
@@ -275,7 +276,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_serve(args: argparse.Namespace) -> int:
     from service.server import serve
-    from service.settings import EngineSettings, ServerSettings
 
     served_name = args.served_model_name or (
         DEFAULT_SERVED_MODEL_NAME if args.model is None else args.model.resolve().name
@@ -312,10 +312,7 @@ def run_serve(args: argparse.Namespace) -> int:
             max_constraint_bytes=args.max_constraint_bytes,
             max_logit_bias=args.max_logit_bias,
         ),
-        fault_injection=args.enable_fault_injection,
     )
-    if args.event_loop == "uvloop":
-        return uvloop.run(serve(server_settings, engine_settings))
     return asyncio.run(serve(server_settings, engine_settings))
 
 

@@ -27,7 +27,6 @@ from service.errors import (
     ModelNotFoundError,
     RequestValidationError,
 )
-from service.faults import failing_after
 from service.observability import RequestRecord
 from service.prompts import PreparedPrompt, prepare_prompts
 from service.responses import (
@@ -69,11 +68,9 @@ class CompletionHandler:
         self,
         request: CreateCompletionRequest,
         record: RequestRecord,
-        fail_after: int | None = None,
     ) -> AsyncIterator[CreateCompletionResponse]:
         """Yield the one whole response, or the stream chunks; raise CompletionError.
-        Token counts go into `record` as they become known. `fail_after` injects an engine
-        failure after that many engine outputs (tests only)."""
+        Token counts go into `record` as they become known."""
         prompts = validate_request(
             request, self.model.vocab_size, self.model.structured_outputs_backend, self.limits
         )
@@ -96,7 +93,7 @@ class CompletionHandler:
             request, f"{record.request_id}-{header.id[-8:]}", len(prepared)
         )
         try:
-            results = self.generate(prepared, slots, constraint_field(request), fail_after)
+            results = self.generate(prepared, slots, constraint_field(request))
             if request.stream:
                 assembler = StreamAssembler(header, plan)
                 async for slot, result in results:
@@ -151,13 +148,10 @@ class CompletionHandler:
         prompts: Sequence[PreparedPrompt],
         slots: Sequence[EngineSlot],
         constraint: str | None,
-        fail_after: int | None = None,
     ) -> AsyncIterator[tuple[EngineSlot, RequestOutput]]:
         """Each engine request's outputs, interleaved as they come, engine errors translated."""
         generators = [self.run(prompts[slot.prompt_index].token_ids, slot) for slot in slots]
         outputs = merge_async_iterators(*generators)
-        if fail_after is not None:
-            outputs = failing_after(outputs, fail_after)
         try:
             async for index, output in outputs:
                 yield slots[index], output

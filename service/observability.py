@@ -25,7 +25,6 @@ REQUESTS = Counter(
     "Completion requests by gRPC method and final status",
     ["method", "code"],
 )
-IN_FLIGHT = Gauge("llmcompletions_requests_in_flight", "Completion requests being served")
 REQUEST_SECONDS = Histogram(
     "llmcompletions_request_duration_seconds",
     "End-to-end latency of a completion request",
@@ -79,10 +78,9 @@ class RequestRecord:
     prompts: list[str] | None = None  # only kept when prompts are logged
     output: str = ""
 
-    def __post_init__(self) -> None:
-        IN_FLIGHT.inc()
-
     def message_sent(self, message: CreateCompletionResponse) -> None:
+        if message.ByteSize() == 0:
+            return  # the REST event stream's end sentinel: no content
         now = time.monotonic()
         if self.prompts is not None:
             self.output += "".join(choice.text for choice in message.choices)
@@ -95,7 +93,6 @@ class RequestRecord:
 
     def finish(self, code: str) -> None:
         """Count the request once, with its final status, and write its log line."""
-        IN_FLIGHT.dec()
         latency = time.monotonic() - self.started
         REQUESTS.labels(self.method, code).inc()
         REQUEST_SECONDS.observe(latency)

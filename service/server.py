@@ -11,11 +11,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from llmcompletions.v2 import completions_pb2, completions_pb2_grpc
 
-from service.admission import Admission
+from service.admission import Admission, AdmissionInterceptor
 from service.auth import ApiKeyInterceptor
 from service.completions import CompletionHandler
 from service.engine import ServedModel, start_engine
+from service.error_mapping import ErrorMappingInterceptor
+from service.interception import StreamInterceptor
 from service.observability import serve_metrics, watch_engine_gauges
+from service.request_context import RequestContextInterceptor
 from service.servicer import CompletionServicer
 from service.settings import EngineSettings, ServerSettings
 
@@ -35,28 +38,31 @@ class ServiceState:
         self.handler: CompletionHandler | None = None
 
 
+def interceptor_chain(settings: ServerSettings) -> list[StreamInterceptor]:
+    """Outermost first: request context -> authentication -> admission -> error mapping."""
+    methods = frozenset({COMPLETION_METHOD})
+    chain: list[StreamInterceptor] = [RequestContextInterceptor(methods, settings.log_prompts)]
+    if settings.api_key:
+        chain.append(ApiKeyInterceptor(methods, settings.api_key))
+    chain.append(
+        AdmissionInterceptor(methods, Admission(settings.max_in_flight, settings.max_waiting))
+    )
+    chain.append(ErrorMappingInterceptor(methods, settings.max_message_bytes))
+    return chain
+
+
 def build_server(
     settings: ServerSettings, state: ServiceState
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
-    interceptors = []
-    if settings.api_key:
-        interceptors.append(ApiKeyInterceptor(settings.api_key, frozenset({COMPLETION_METHOD})))
     server = grpc.aio.server(
-        interceptors=interceptors,
+        interceptors=interceptor_chain(settings),
         options=[
             ("grpc.max_receive_message_length", settings.max_message_bytes),
             ("grpc.max_send_message_length", settings.max_message_bytes),
         ],
     )
     completions_pb2_grpc.add_CompletionServiceServicer_to_server(
-        CompletionServicer(
-            lambda: state.handler,
-            Admission(settings.max_in_flight, settings.max_waiting),
-            max_message_bytes=settings.max_message_bytes,
-            log_prompts=settings.log_prompts,
-            fault_injection=settings.fault_injection,
-        ),
-        server,
+        CompletionServicer(lambda: state.handler), server
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

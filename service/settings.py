@@ -53,4 +53,3 @@ class ServerSettings:
     max_in_flight: int = 32
     max_waiting: int = 128
     limits: RequestLimits = field(default_factory=RequestLimits)
-    fault_injection: bool = False  # tests only: honour x-inject-fault

@@ -56,8 +56,8 @@ def stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             str(MAX_IN_FLIGHT),
             "--max-waiting",
             str(MAX_WAITING),
-            "--enable-fault-injection",
         ],
+        service_module="tests.fault_injection",  # the real engine, failing on request
         service_log=tmp_path_factory.mktemp("stack") / "service.log",
     )
     running.start()

@@ -9,6 +9,7 @@ from llmcompletions.v2 import completions_pb2_grpc
 
 from facade.stack import Stack
 from tests.helpers import CAPITAL_PROMPT, body, grpc_request
+from tests.metrics import sample
 
 WRONG = {"Authorization": "Bearer not-the-key"}
 
@@ -42,3 +43,22 @@ def test_the_key_is_never_logged(stack: Stack, rest: httpx.Client) -> None:
     assert rest.post("/v2/completions", json=body(prompt="Hi", max_tokens=1)).status_code == 200
     assert stack.service_log is not None
     assert API_KEY not in stack.service_log.read_text()
+
+
+def test_a_refused_call_is_counted_and_logged_once(stack: Stack, metrics_url: str) -> None:
+    refused = {"method": "CreateCompletion", "code": "UNAUTHENTICATED"}
+    before = sample(metrics_url, "llmcompletions_requests_total", **refused)
+    response = httpx.post(
+        f"{stack.base_url}/v2/completions",
+        json=body(prompt="Hi"),
+        headers={**WRONG, "x-request-id": "refused-call-0001"},
+        timeout=30,
+    )
+    assert response.status_code == 401
+    assert response.headers["x-request-id"] == "refused-call-0001"
+    assert sample(metrics_url, "llmcompletions_requests_total", **refused) == before + 1
+    assert stack.service_log is not None
+    lines = [
+        line for line in stack.service_log.read_text().splitlines() if "refused-call-0001" in line
+    ]
+    assert len(lines) == 1 and "status='UNAUTHENTICATED'" in lines[0], lines

@@ -45,20 +45,20 @@ def test_help_never_prints_the_api_key() -> None:
 
 
 @pytest.mark.parametrize(
-    ("args", "env"), [(["--event-loop", "trio"], {}), ([], {"EVENT_LOOP": "trio"})]
+    ("args", "env"), [(["--log-format", "xml"], {}), ([], {"LOG_FORMAT": "xml"})]
 )
-def test_an_unknown_event_loop_is_refused_with_the_choices(
+def test_an_unknown_log_format_is_refused_with_the_choices(
     args: list[str], env: dict[str, str]
 ) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "service", "serve", *args],
+        [sys.executable, "-m", "service", *args, "serve"],
         capture_output=True,
         text=True,
         timeout=120,
         env={**os.environ, **env},
     )
     assert done.returncode == 2
-    assert "argument --event-loop: must be one of: asyncio, uvloop" in done.stderr
+    assert "argument --log-format: must be one of: plain, json" in done.stderr
     assert "Traceback" not in done.stderr
 
 

@@ -12,21 +12,25 @@ import pytest
 from llmcompletions.v2 import completions_pb2_grpc
 
 from tests.conftest import GRPC_AUTH, MODEL
+from tests.fault_injection import fault_request_id
 from tests.helpers import CAPITAL_PROMPT, body, grpc_request, post
 from tests.metrics import sample
 from tests.test_cancellation import assert_engine_drains
 
-FAULT_AFTER_3 = {"x-inject-fault": "engine-error-after=3"}
+FAULT_AFTER_3 = {"x-request-id": fault_request_id(3)}
 LONG = {"prompt": "Count:", "max_tokens": 1500, "ignore_eos": True}
 
 
-def test_grpc_deadline_aborts_the_engine_request(
+def test_grpc_deadline_aborts_the_engine_request_and_is_recorded_as_expired(
     grpc_stub: completions_pb2_grpc.CompletionServiceStub, metrics_url: str
 ) -> None:
+    expired = {"method": "CreateCompletion", "code": "DEADLINE_EXCEEDED"}
+    before = sample(metrics_url, "llmcompletions_requests_total", **expired)
     with pytest.raises(grpc.RpcError) as raised:
         list(grpc_stub.CreateCompletion(grpc_request(**LONG), timeout=1.0, metadata=GRPC_AUTH))
     assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert_engine_drains(metrics_url)
+    assert sample(metrics_url, "llmcompletions_requests_total", **expired) == before + 1
 
 
 def test_rest_deadline_is_a_504(rest: httpx.Client, metrics_url: str) -> None:
@@ -76,7 +80,7 @@ def test_grpc_mid_stream_failure_ends_with_an_error_message_and_status(
     call = grpc_stub.CreateCompletion(
         grpc_request(stream=True, **LONG),
         timeout=60,
-        metadata=(*GRPC_AUTH, ("x-inject-fault", "engine-error-after=3")),
+        metadata=(*GRPC_AUTH, ("x-request-id", fault_request_id(3))),
     )
     messages = []
     with pytest.raises(grpc.RpcError) as raised:
@@ -91,7 +95,7 @@ def test_failure_before_output_is_a_plain_500(rest: httpx.Client) -> None:
     response = rest.post(
         "/v2/completions",
         json=body(prompt="Hi", stream=True),
-        headers={"x-inject-fault": "engine-error-after=0"},
+        headers={"x-request-id": fault_request_id(0)},
     )
     assert response.status_code == 500
     detail = response.json()["detail"]

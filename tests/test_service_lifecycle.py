@@ -106,8 +106,7 @@ def service(
             "--shutdown-grace",
             "10",
         ],
-        # The other stacks run the default asyncio loop; this one uvloop.
-        env={"LOG_FORMAT": "json", "EVENT_LOOP": "uvloop"},
+        env={"LOG_FORMAT": "json"},
         service_log=tmp_path_factory.getbasetemp() / "lifecycle-service.log",
     )
     health = HealthWatch(running.grpc_target)

@@ -1,0 +1,91 @@
+"""The innermost interceptor: turns what the servicer yields and raises into what the call
+sends. The first message goes out after the initial metadata (the request id and, for a REST
+call, the framing); a REST event stream ends with the sentinel; every message is checked
+against the size limits; an error becomes a status with its details (and, for REST, the HTTP
+status and JSON body), or, after the first message, an in-band error message and then the
+status. Refusals by other interceptors end through `abort_with` too."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+from google.protobuf.message import Message
+from grpc_status import rpc_status
+
+from service.errors import CompletionError, InternalError, ReplyTooLargeError
+from service.interception import StreamBehaviour, StreamInterceptor
+from service.request_context import REQUEST_ID_HEADER, current_record
+from service.responses import stream_error_chunk
+from service.rest_bridge import END_OF_EVENTS, RestCall, error_metadata, rest_call
+
+logger = logging.getLogger(__name__)
+
+Metadata = tuple[tuple[str, str], ...]
+
+
+def identity() -> Metadata:
+    return ((REQUEST_ID_HEADER, current_record().request_id),)
+
+
+async def abort_with(context: grpc.aio.ServicerContext, error: CompletionError) -> None:
+    """End a call that sent nothing yet with the error's status, its details (e.g.
+    google.rpc.BadRequest), the request id and, for REST, the HTTP status and JSON body."""
+    status = rpc_status.to_status(error.rpc_status())
+    metadata = tuple(status.trailing_metadata) + error.metadata() + identity()
+    if rest_call(context.invocation_metadata()) is not None:
+        metadata += error_metadata(error)
+    await context.abort(status.code, status.details, trailing_metadata=metadata)
+
+
+def check_size(message: Message, max_message_bytes: int, whole_rest_reply: RestCall | None) -> None:
+    size = message.ByteSize()
+    if size > max_message_bytes:
+        raise ReplyTooLargeError(size, max_message_bytes, "a gRPC message")
+    if whole_rest_reply is not None:
+        whole_rest_reply.check_whole_reply(message)
+
+
+class ErrorMappingInterceptor(StreamInterceptor):
+    def __init__(self, methods: frozenset[str], max_message_bytes: int) -> None:
+        super().__init__(methods)
+        self._max_message_bytes = max_message_bytes
+
+    async def around(
+        self,
+        inner: StreamBehaviour,
+        method: str,
+        request: Message,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[Message]:
+        rest = rest_call(context.invocation_metadata())
+        stream = bool(getattr(request, "stream", False))
+        whole_rest_reply = rest if rest is not None and not stream else None
+        sent_any = False
+        try:
+            async for message in inner(request, context):
+                check_size(message, self._max_message_bytes, whole_rest_reply)
+                if not sent_any:
+                    framing = rest.framing(stream) if rest is not None else ()
+                    await context.send_initial_metadata(identity() + framing)
+                    sent_any = True
+                yield message
+        except grpc.aio.AbortError:
+            raise
+        except CompletionError as error:
+            failure = error
+        except Exception:
+            logger.exception(
+                "unexpected error in %s (request %s)", method, current_record().request_id
+            )
+            failure = InternalError("Internal error; the server log has the details.")
+        else:
+            if rest is not None and stream:
+                yield END_OF_EVENTS
+            return
+        if sent_any:
+            # After the first message an error travels in-band, then ends the call.
+            yield stream_error_chunk(failure)
+            await context.abort(failure.grpc_code, failure.message, failure.metadata())
+        await abort_with(context, failure)

@@ -1,0 +1,88 @@
+"""The outermost interceptor: every call gets a request id and a record, and is counted and
+logged once with its true final status, whether it was served, refused or expired."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import re
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+from google.protobuf import json_format
+from google.protobuf.message import Message
+
+from service.interception import StreamBehaviour, StreamInterceptor
+from service.observability import RequestRecord
+
+REQUEST_ID_HEADER = "x-request-id"
+# Accepted from callers as is; anything else is replaced, so ids stay safe to log and echo.
+ACCEPTABLE_ID = re.compile(r"^[A-Za-z0-9._:/+=-]{1,128}$")
+
+_current: contextvars.ContextVar[RequestRecord] = contextvars.ContextVar("request_record")
+
+
+def current_record() -> RequestRecord:
+    """The record of the call being served (set by RequestContextInterceptor)."""
+    return _current.get()
+
+
+def request_id(context: grpc.aio.ServicerContext) -> str:
+    """The caller's (or Envoy's) x-request-id when it is sane, else a new one."""
+    for key, value in context.invocation_metadata() or ():
+        if key == REQUEST_ID_HEADER and isinstance(value, str) and ACCEPTABLE_ID.match(value):
+            return value
+    return uuid.uuid4().hex
+
+
+def ended_code(context: grpc.aio.ServicerContext) -> str:
+    """The status of a call that ended without a message: aborted, expired or cancelled."""
+    code = context.code()
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    remaining = context.time_remaining()
+    return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+
+
+class RequestContextInterceptor(StreamInterceptor):
+    def __init__(self, methods: frozenset[str], log_prompts: bool = False) -> None:
+        super().__init__(methods)
+        self._log_prompts = log_prompts
+
+    async def around(
+        self,
+        inner: StreamBehaviour,
+        method: str,
+        request: Message,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[Message]:
+        record = self.record(method, request, context)
+        token = _current.set(record)
+        code = "UNKNOWN"
+        try:
+            async for message in inner(request, context):
+                record.message_sent(message)
+                yield message
+            code = "OK"
+        except (grpc.aio.AbortError, asyncio.CancelledError, GeneratorExit):
+            code = ended_code(context)
+            raise
+        finally:
+            record.finish(code)
+            _current.reset(token)
+
+    def record(
+        self, method: str, request: Message, context: grpc.aio.ServicerContext
+    ) -> RequestRecord:
+        prompts = None
+        if self._log_prompts and hasattr(request, "prompt"):
+            prompts = [json_format.MessageToJson(request.prompt, indent=None)]
+        return RequestRecord(
+            request_id=request_id(context),
+            method=method,
+            model=getattr(request, "model", ""),
+            user=getattr(request, "user", ""),
+            stream=getattr(request, "stream", False),
+            prompts=prompts,
+        )
