@@ -12,6 +12,9 @@ from typing import Any
 
 from google.protobuf import descriptor_pb2
 
+# Registers the `allowed` field option, so that it parses out of the descriptor set.
+from llmcompletions.v2 import completions_pb2
+
 FieldProto = descriptor_pb2.FieldDescriptorProto
 JsonSchema = dict[str, Any]
 
@@ -28,6 +31,9 @@ SCALARS: dict[int, JsonSchema] = {
     FieldProto.TYPE_UINT32: {"type": "integer", "format": "int32", "minimum": 0},
     FieldProto.TYPE_INT64: {"type": "integer", "format": "int64"},
 }
+INTEGERS = (FieldProto.TYPE_INT32, FieldProto.TYPE_UINT32, FieldProto.TYPE_INT64)
+# Annotations of the proto, not part of the REST surface.
+NOT_IN_DOCUMENT = {"NumericRange"}
 TOKEN_IDS: JsonSchema = {"type": "array", "items": {"type": "integer"}}
 STRINGS: JsonSchema = {"type": "array", "items": {"type": "string"}}
 # The reference's JSON unions and free-form values, which the proto holds as well-known types.
@@ -81,19 +87,33 @@ def leading_comments(file: descriptor_pb2.FileDescriptorProto) -> dict[tuple[int
     }
 
 
+def range_keywords(field: FieldProto) -> JsonSchema:
+    """minimum/maximum (or their exclusive forms) from the field's `allowed` option."""
+    if not field.options.HasExtension(completions_pb2.allowed):
+        return {}
+    allowed = field.options.Extensions[completions_pb2.allowed]
+    number = int if field.type in INTEGERS else float
+    keywords: JsonSchema = {}
+    if allowed.HasField("min"):
+        keywords["exclusiveMinimum" if allowed.min_exclusive else "minimum"] = number(allowed.min)
+    if allowed.HasField("max"):
+        keywords["exclusiveMaximum" if allowed.max_exclusive else "maximum"] = number(allowed.max)
+    return keywords
+
+
 def field_schema(message: str, field: FieldProto, maps: dict[str, FieldProto]) -> JsonSchema:
     key = f"{message}.{field.name}"
     if key in VALUE_FIELDS:
         return dict(VALUE_FIELDS[key])
     if field.type_name in maps:
-        value = maps[field.type_name]
-        return {"type": ["object", "null"], "additionalProperties": SCALARS[value.type]}
+        value = {**SCALARS[maps[field.type_name].type], **range_keywords(field)}
+        return {"type": ["object", "null"], "additionalProperties": value}
     if field.type_name == STRUCT:
         schema: JsonSchema = {"type": ["object", "null"]}
     elif field.type == FieldProto.TYPE_MESSAGE:
         schema = {"$ref": f"#/components/schemas/{field.type_name.removeprefix(PACKAGE_PREFIX)}"}
     else:
-        schema = dict(SCALARS[field.type])
+        schema = {**SCALARS[field.type], **range_keywords(field)}
     if field.label == FieldProto.LABEL_REPEATED:
         return {"type": "array", "items": schema}
     if field.proto3_optional:
@@ -111,6 +131,8 @@ def message_schemas(file: descriptor_pb2.FileDescriptorProto) -> dict[str, JsonS
     }
     schemas: dict[str, JsonSchema] = {}
     for message_index, message in enumerate(file.message_type):
+        if message.name in NOT_IN_DOCUMENT:
+            continue
         properties = {}
         for field_index, field in enumerate(message.field):
             schema = field_schema(message.name, field, maps)

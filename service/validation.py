@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass
 
 from google.protobuf import struct_pb2
+from llmcompletions.v2 import completions_pb2
 from llmcompletions.v2.completions_pb2 import CreateCompletionRequest
 
 from service.errors import FieldViolation, Loc, RequestValidationError, quote
@@ -16,7 +17,6 @@ from service.sampling import requested_max_tokens
 from service.settings import RequestLimits
 
 MAX_STOP_STRINGS = 4
-MAX_BEST_OF = 20
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 EARLY_STOPPING_WORD = "never"
@@ -29,21 +29,33 @@ class Bound:
     inclusive: bool = True
 
 
-# field: (lower bound, upper bound); None means unbounded on that side.
-NUMERIC_RANGES: dict[str, tuple[Bound | None, Bound | None]] = {
-    "max_tokens": (Bound(0), None),
-    "min_tokens": (Bound(0), None),
-    "temperature": (Bound(0), Bound(2)),
-    "top_p": (Bound(0, inclusive=False), Bound(1)),
-    "top_k": (Bound(-1), None),
-    "min_p": (Bound(0), Bound(1)),
-    "frequency_penalty": (Bound(-2), Bound(2)),
-    "presence_penalty": (Bound(-2), Bound(2)),
-    "repetition_penalty": (Bound(0, inclusive=False), None),
-    "length_penalty": (None, None),
-    "n": (Bound(1), Bound(128)),
-    "logprobs": (Bound(0), Bound(5)),
+Range = tuple[Bound | None, Bound | None]  # None: unbounded on that side
+
+
+def declared_ranges() -> dict[str, Range]:
+    """The allowed range of each numeric request field, as the proto declares it (its
+    `allowed` option): the one source of these numbers."""
+    ranges: dict[str, Range] = {}
+    for field in CreateCompletionRequest.DESCRIPTOR.fields:
+        options = field.GetOptions()
+        if not options.HasExtension(completions_pb2.allowed):
+            continue
+        allowed = options.Extensions[completions_pb2.allowed]
+        low = Bound(allowed.min, not allowed.min_exclusive) if allowed.HasField("min") else None
+        high = Bound(allowed.max, not allowed.max_exclusive) if allowed.HasField("max") else None
+        ranges[field.name] = (low, high)
+    return ranges
+
+
+DECLARED_RANGES = declared_ranges()
+# Checked with the rules that also involve another field (best_of >= n) or map entries.
+NUMERIC_RANGES = {
+    name: bounds
+    for name, bounds in DECLARED_RANGES.items()
+    if name not in ("best_of", "logit_bias")
 }
+MAX_BEST_OF = int(DECLARED_RANGES["best_of"][1].value)  # type: ignore[union-attr]
+LOGIT_BIAS_RANGE = DECLARED_RANGES["logit_bias"]
 
 
 class Violations:
@@ -184,11 +196,12 @@ def check_token_ids(request: CreateCompletionRequest, vocab_size: int, found: Vi
         problem = token_id_problem(token_id, vocab_size)
         if problem:
             found.add(("logit_bias", str(token_id)), f"logit_bias key: {problem}")
-        if not (math.isfinite(bias) and -100 <= bias <= 100):
+        broken = range_violation(bias, *LOGIT_BIAS_RANGE)
+        if broken:
             found.add(
                 ("logit_bias", str(token_id)),
-                f"logit_bias values must be in [-100, 100], got {bias:g}",
-                "less_than_equal" if bias > 100 else "greater_than_equal",
+                f"logit_bias values must be {describe_range(*LOGIT_BIAS_RANGE)}, got {bias:g}",
+                broken,
             )
 
 
@@ -256,6 +269,7 @@ def constraint_sizes(request: CreateCompletionRequest) -> dict[str, int]:
         "guided_json": request.guided_json.ByteSize() if request.HasField("guided_json") else 0,
         "guided_regex": len(request.guided_regex.encode()),
         "guided_grammar": len(request.guided_grammar.encode()),
+        "guided_whitespace_pattern": len(request.guided_whitespace_pattern.encode()),
         "guided_choice": request.guided_choice.ByteSize(),
         "response_format": request.response_format.json_schema.schema.ByteSize(),
     }

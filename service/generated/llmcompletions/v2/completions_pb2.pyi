@@ -1,4 +1,5 @@
 from google.api import annotations_pb2 as _annotations_pb2
+from google.protobuf import descriptor_pb2 as _descriptor_pb2
 from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
@@ -7,6 +8,20 @@ from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+ALLOWED_FIELD_NUMBER: _ClassVar[int]
+allowed: _descriptor.FieldDescriptor
+
+class NumericRange(_message.Message):
+    __slots__ = ("min", "min_exclusive", "max", "max_exclusive")
+    MIN_FIELD_NUMBER: _ClassVar[int]
+    MIN_EXCLUSIVE_FIELD_NUMBER: _ClassVar[int]
+    MAX_FIELD_NUMBER: _ClassVar[int]
+    MAX_EXCLUSIVE_FIELD_NUMBER: _ClassVar[int]
+    min: float
+    min_exclusive: bool
+    max: float
+    max_exclusive: bool
+    def __init__(self, min: _Optional[float] = ..., min_exclusive: _Optional[bool] = ..., max: _Optional[float] = ..., max_exclusive: _Optional[bool] = ...) -> None: ...
 
 class CreateCompletionRequest(_message.Message):
     __slots__ = ("model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "logprobs", "echo", "stop", "presence_penalty", "frequency_penalty", "best_of", "logit_bias", "seed", "suffix", "user", "top_k", "min_p", "repetition_penalty", "use_beam_search", "length_penalty", "early_stopping", "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens", "spaces_between_special_tokens", "add_special_tokens", "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern")

@@ -1,0 +1,60 @@
+"""Facts stated once: numeric ranges in the proto (feeding validation, the OpenAPI document and
+the README's field table), the version in pyproject.toml."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+import service
+from service.validation import DECLARED_RANGES, describe_range
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text()
+OPENAPI = json.loads((ROOT / "facade" / "openapi.json").read_text())
+REQUEST_SCHEMA = OPENAPI["components"]["schemas"]["CreateCompletionRequest"]["properties"]
+
+
+def readme_limits(field: str) -> str:
+    """The 'limits, default' cell of the field's row in the README's request-field table."""
+    for line in README.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and f"`{field}`" in cells[0].split(", "):
+            return cells[2]
+    raise AssertionError(f"no README row for {field}")
+
+
+@pytest.mark.parametrize("field", sorted(DECLARED_RANGES))
+def test_the_readme_states_each_declared_range(field: str) -> None:
+    assert describe_range(*DECLARED_RANGES[field]).removeprefix("in ") in readme_limits(field)
+
+
+@pytest.mark.parametrize("field", sorted(DECLARED_RANGES))
+def test_the_openapi_document_states_each_declared_range(field: str) -> None:
+    schema = REQUEST_SCHEMA[field]
+    schema = schema.get("additionalProperties", schema)  # a map: the range of its values
+    low, high = DECLARED_RANGES[field]
+    if low is not None:
+        assert schema["minimum" if low.inclusive else "exclusiveMinimum"] == low.value
+    if high is not None:
+        assert schema["maximum" if high.inclusive else "exclusiveMaximum"] == high.value
+    assert (low, high) != (None, None) or not {"minimum", "maximum"} & set(schema)
+
+
+def test_every_numeric_request_field_has_a_declared_range() -> None:
+    numeric = {
+        name
+        for name, schema in REQUEST_SCHEMA.items()
+        if "number" in str(schema.get("type"))
+        or ("integer" in str(schema.get("type")) and name != "seed")
+    }
+    assert numeric <= set(DECLARED_RANGES)
+
+
+def test_the_version_is_pyprojects() -> None:
+    declared = re.search(r'^version = "(.+)"$', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert declared is not None
+    assert service.__version__ == declared.group(1)
