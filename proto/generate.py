@@ -3,7 +3,7 @@
 Usage: python proto/generate.py [--out-root DIR]
 
 Outputs (relative to the repository root, or to --out-root for drift checks):
-  service/generated/llmcompletions/v2/completions_pb2{.py,.pyi,_grpc.py}
+  clients/python/src/llmcompletions/v2/completions_pb2{.py,.pyi,_grpc.py}  (the client distribution)
   facade/completions.pb   (descriptor set with imports, for the gRPC-JSON transcoder)
   facade/openapi.json     (the REST surface as OpenAPI 3.1, served by Envoy)
 """
@@ -25,7 +25,7 @@ PROTO_ROOT = REPO_ROOT / "proto"
 PROTO_FILES = ["llmcompletions/v2/completions.proto"]
 # Envoy needs these in the descriptor set to turn error details into JSON.
 RPC_STATUS_PROTOS = ["google/rpc/status.proto", "google/rpc/error_details.proto"]
-PYTHON_OUT = Path("service/generated")
+PYTHON_OUT = Path("clients/python/src")
 DESCRIPTOR_OUT = Path("facade/completions.pb")
 OPENAPI_OUT = Path("facade/openapi.json")
 API_VERSION = "v2"

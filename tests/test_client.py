@@ -7,9 +7,9 @@ import importlib.resources
 
 import grpc
 import pytest
+from llmcompletions.client import AsyncCompletionClient, CompletionClient
 
 from facade.stack import Stack
-from service.client import AsyncCompletionClient, CompletionClient
 from tests.conftest import API_KEY, MODEL
 from tests.helpers import CAPITAL_PROMPT
 

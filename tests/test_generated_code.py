@@ -8,9 +8,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 GENERATED = [
-    "service/generated/llmcompletions/v2/completions_pb2.py",
-    "service/generated/llmcompletions/v2/completions_pb2.pyi",
-    "service/generated/llmcompletions/v2/completions_pb2_grpc.py",
+    "clients/python/src/llmcompletions/v2/completions_pb2.py",
+    "clients/python/src/llmcompletions/v2/completions_pb2.pyi",
+    "clients/python/src/llmcompletions/v2/completions_pb2_grpc.py",
     "facade/completions.pb",
 ]
 

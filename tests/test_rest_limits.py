@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import grpc
 import httpx
 import pytest
+from llmcompletions.client import CompletionClient
 from llmcompletions.v2 import completions_pb2_grpc
 
 from facade.launch import DEFAULT_MAX_REQUEST_BYTES
 from facade.stack import Stack, free_port
-from service.client import CompletionClient
 from tests.conftest import API_KEY, AUTH_HEADERS, GRPC_AUTH, MODEL
 from tests.helpers import body, grpc_request, post
 

@@ -58,3 +58,11 @@ def test_the_version_is_pyprojects() -> None:
     declared = re.search(r'^version = "(.+)"$', (ROOT / "pyproject.toml").read_text(), re.M)
     assert declared is not None
     assert service.__version__ == declared.group(1)
+
+
+def test_the_client_distribution_has_the_servers_version_and_the_server_pins_it() -> None:
+    client = (ROOT / "clients" / "python" / "pyproject.toml").read_text()
+    declared = re.search(r'^version = "(.+)"$', client, re.M)
+    assert declared is not None and declared.group(1) == service.__version__
+    server = (ROOT / "pyproject.toml").read_text()
+    assert f'"llm-completions-client=={service.__version__}"' in server

@@ -1,6 +1,6 @@
 """A small typed client for CompletionService, synchronous and asynchronous.
 
-    from service.client import CompletionClient
+    from llmcompletions.client import CompletionClient
 
     with CompletionClient("127.0.0.1:50051") as client:
         print(client.complete(model="smollm2-135m-instruct", prompt="Hello").choices[0].text)
@@ -20,6 +20,7 @@ from typing import Any
 
 import grpc
 from google.protobuf import json_format
+
 from llmcompletions.v2 import completions_pb2_grpc
 from llmcompletions.v2.completions_pb2 import CreateCompletionRequest, CreateCompletionResponse
 
