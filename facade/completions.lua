@@ -11,6 +11,8 @@
 local END_EVENT = 'data: {"choices":[]}\n\n'
 local DONE_EVENT = "data: [DONE]\n\n"
 local EVENT_PREFIX = "data: "
+local UNKNOWN_FRAMING_BODY =
+  '{"detail":"The REST facade cannot frame this reply (unknown framing); see its log."}'
 -- The transcoder prints repeated fields even when empty; the error chunk has no choices.
 local ERROR_EVENT_START = 'data: {"choices":[],"error":'
 local ERROR_EVENT_START_CLEAN = 'data: {"error":'
@@ -103,5 +105,13 @@ function envoy_on_response(handle)
     reply_with_json(handle, headers)
   elseif framing == "sse" then
     stream_events(handle, headers)
+  elseif framing ~= nil then
+    -- A server newer or older than this filter: refuse loudly rather than pass on a reply
+    -- framed wrongly.
+    handle:logErr("completions.lua: unknown x-response-framing '" .. framing .. "'")
+    headers:remove("x-response-framing")
+    headers:replace(":status", "500")
+    headers:replace("content-type", "application/json")
+    handle:body(true):setBytes(UNKNOWN_FRAMING_BODY)
   end
 end

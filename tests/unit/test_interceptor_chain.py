@@ -1,0 +1,164 @@
+"""The interceptor chain on hand-made calls: every call is recorded once with its true
+status, errors become statuses (or an in-band message once output began), REST calls get
+their framing and end sentinel, and admission refuses past its limits."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+from llmcompletions.v2.completions_pb2 import (
+    Choice,
+    CreateCompletionRequest,
+    CreateCompletionResponse,
+)
+
+from service.admission import Admission, AdmissionInterceptor
+from service.error_mapping import ErrorMappingInterceptor
+from service.errors import ModelNotFoundError
+from service.observability import REQUESTS
+from service.request_context import RequestContextInterceptor
+from service.rest_bridge import END_OF_EVENTS, FRAMING_HEADER, HTTP_STATUS_HEADER
+
+METHOD = "CreateCompletion"
+METHODS = frozenset({f"/x/{METHOD}"})
+CHUNK = CreateCompletionResponse(choices=[Choice(text="hi")])
+
+
+class FakeContext:
+    """What the interceptors use of grpc.aio.ServicerContext."""
+
+    def __init__(self, metadata: tuple[tuple[str, str], ...] = (), remaining: float = 60) -> None:
+        self.metadata = metadata
+        self.remaining = remaining
+        self.initial: tuple[tuple[str, str], ...] | None = None
+        self.status: grpc.StatusCode | None = None
+        self.trailing: dict[str, Any] = {}
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self.metadata
+
+    async def send_initial_metadata(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.initial = metadata
+
+    async def abort(self, code: grpc.StatusCode, details: str, trailing_metadata: Any = ()) -> None:
+        self.status = code
+        self.trailing = dict(trailing_metadata)
+        raise grpc.aio.AbortError()
+
+    def code(self) -> grpc.StatusCode | None:
+        return self.status
+
+    def time_remaining(self) -> float:
+        return self.remaining
+
+
+def chain(servicer: Any, admission: Admission | None = None) -> Any:
+    """The behaviour the server would run: interceptors around the servicer, outermost first."""
+    behaviour = ErrorMappingInterceptor(METHODS, 1 << 20).around
+    inner = servicer
+
+    def wrap(around: Any, inner: Any) -> Any:
+        return lambda request, context: around(inner, METHOD, request, context)
+
+    inner = wrap(behaviour, inner)
+    if admission is not None:
+        inner = wrap(AdmissionInterceptor(METHODS, admission).around, inner)
+    return wrap(RequestContextInterceptor(METHODS).around, inner)
+
+
+def counted(code: str) -> float:
+    return REQUESTS.labels(METHOD, code)._value.get()
+
+
+async def drain(behaviour: Any, request: Any, context: FakeContext) -> list[Any]:
+    messages = []
+    try:
+        async for message in behaviour(request, context):
+            messages.append(message)
+    except grpc.aio.AbortError:
+        pass
+    return messages
+
+
+async def two_chunks(request: Any, context: Any) -> AsyncIterator[CreateCompletionResponse]:
+    yield CHUNK
+    yield CHUNK
+
+
+async def fails_after_one(request: Any, context: Any) -> AsyncIterator[CreateCompletionResponse]:
+    yield CHUNK
+    raise ModelNotFoundError("a", "b")
+
+
+async def fails_at_once(request: Any, context: Any) -> AsyncIterator[CreateCompletionResponse]:
+    raise ModelNotFoundError("a", "b")
+    yield CHUNK
+
+
+def test_a_rest_stream_gets_its_framing_then_ends_with_the_sentinel() -> None:
+    context = FakeContext((("x-envoy-original-path", "/v2/completions"),))
+    before = counted("OK")
+    messages = asyncio.run(drain(chain(two_chunks), CreateCompletionRequest(stream=True), context))
+    assert messages == [CHUNK, CHUNK, END_OF_EVENTS]
+    assert context.initial is not None and (FRAMING_HEADER, "sse") in context.initial
+    assert counted("OK") == before + 1
+
+
+def test_an_error_before_output_is_a_status_with_the_rest_form() -> None:
+    context = FakeContext((("x-envoy-original-path", "/v2/completions"),))
+    before = counted("NOT_FOUND")
+    assert asyncio.run(drain(chain(fails_at_once), CreateCompletionRequest(), context)) == []
+    assert context.status == grpc.StatusCode.NOT_FOUND
+    assert context.trailing[HTTP_STATUS_HEADER] == "404"
+    assert counted("NOT_FOUND") == before + 1
+
+
+def test_an_error_after_output_travels_in_band_then_ends_the_call() -> None:
+    context = FakeContext()
+    messages = asyncio.run(
+        drain(chain(fails_after_one), CreateCompletionRequest(stream=True), context)
+    )
+    assert messages[0] == CHUNK
+    assert messages[1].error.status_code == 404 and not messages[1].choices
+    assert context.status == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_call_past_its_deadline_is_recorded_as_expired() -> None:
+    async def expires(request: Any, context: Any) -> AsyncIterator[CreateCompletionResponse]:
+        raise asyncio.CancelledError
+        yield CHUNK
+
+    before = counted("DEADLINE_EXCEEDED")
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(drain(chain(expires), CreateCompletionRequest(), FakeContext(remaining=0)))
+    assert counted("DEADLINE_EXCEEDED") == before + 1
+
+
+def test_admission_refuses_past_its_limits_and_the_refusal_is_counted() -> None:
+    async def scenario() -> list[FakeContext]:
+        admission = Admission(max_in_flight=1, max_waiting=0)
+        release = asyncio.Event()
+
+        async def held(request: Any, context: Any) -> AsyncIterator[CreateCompletionResponse]:
+            await release.wait()
+            yield CHUNK
+
+        behaviour = chain(held, admission)
+        first, second = FakeContext(), FakeContext()
+        running = asyncio.create_task(drain(behaviour, CreateCompletionRequest(), first))
+        await asyncio.sleep(0.01)
+        await drain(behaviour, CreateCompletionRequest(), second)
+        release.set()
+        await running
+        return [first, second]
+
+    before = counted("RESOURCE_EXHAUSTED")
+    first, second = asyncio.run(scenario())
+    assert first.status is None
+    assert second.status == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert second.trailing["retry-after"] == "1"
+    assert counted("RESOURCE_EXHAUSTED") == before + 1
