@@ -1,16 +1,17 @@
 """Beam search over the engine, with `length_penalty` and `early_stopping` as in Hugging Face
 transformers (vLLM's own helper has no early stopping). Each step asks the engine for one
-token per running beam with the top 2*width log-probabilities; prefix caching makes the
-repeated prompt cheap."""
+token per running beam with the top 2*width log-probabilities (more if the response shows
+more); prefix caching makes the repeated prompt cheap."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 
 from vllm.inputs import TokensPrompt
-from vllm.logprobs import Logprob
+from vllm.logprobs import Logprob, PromptLogprobs
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.tokenizers import TokenizerLike
@@ -29,6 +30,13 @@ class BeamSearchSettings:
     early_stopping: EarlyStopping = False
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    logprobs: int = 0  # the most likely alternatives each returned token shows
+    prompt_logprobs: int | None = None  # echo with logprobs: the prompt's, as for sampling
+
+    @property
+    def expansions(self) -> int:
+        """Next tokens tried per running beam: enough that `width` go on even if one is EOS."""
+        return 2 * self.width
 
 
 @dataclass
@@ -41,11 +49,15 @@ class Beam:
     def score(self, length_penalty: float) -> float:
         return self.cumulative_logprob / (max(len(self.token_ids), 1) ** length_penalty)
 
-    def extended(self, token_id: int, step: dict[int, Logprob]) -> Beam:
+    def extended(self, token_id: int, step: dict[int, Logprob], shown: int) -> Beam:
+        """The beam one token longer. That token's log-probabilities are kept as vLLM reports
+        a sampled token's: the token first, then the `shown` most likely (`step`, a greedy
+        step's, lists the greedy token and then the rest by rank: the most likely first)."""
+        chosen = step[token_id]
         return Beam(
             [*self.token_ids, token_id],
-            self.cumulative_logprob + step[token_id].logprob,
-            [*self.logprobs, step],
+            self.cumulative_logprob + chosen.logprob,
+            [*self.logprobs, {token_id: chosen, **dict(islice(step.items(), shown))}],
         )
 
 
@@ -66,10 +78,26 @@ def search_done(
     return worst_kept >= attainable
 
 
-async def next_tokens(
-    engine: AsyncLLM, prompt_ids: list[int], beams: Sequence[Beam], request_id: str, top: int
-) -> list[dict[int, Logprob]]:
-    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=top, detokenize=False)
+def step_params(settings: BeamSearchSettings, first: bool) -> SamplingParams:
+    """One greedy token with the log-probabilities the search and the response need; on the
+    first step (a single beam: the prompt alone) also the prompt's, if asked for."""
+    return SamplingParams(
+        max_tokens=1,
+        temperature=0.0,
+        logprobs=max(settings.expansions, settings.logprobs),
+        prompt_logprobs=settings.prompt_logprobs if first else None,
+        detokenize=False,
+    )
+
+
+async def next_steps(
+    engine: AsyncLLM,
+    prompt_ids: list[int],
+    beams: Sequence[Beam],
+    request_id: str,
+    params: SamplingParams,
+) -> list[RequestOutput]:
+    """Each beam's one-token engine request, run together; their final outputs."""
     steps = await asyncio.gather(
         *(
             collect_from_async_generator(
@@ -82,7 +110,30 @@ async def next_tokens(
             for index, beam in enumerate(beams)
         )
     )
-    return [outputs[-1].outputs[0].logprobs[0] for outputs in steps]
+    return [outputs[-1] for outputs in steps]
+
+
+def expand(
+    running: Sequence[Beam],
+    outputs: Sequence[RequestOutput],
+    settings: BeamSearchSettings,
+    eos: int,
+) -> tuple[list[Beam], list[Beam]]:
+    """Each running beam extended by each of its `expansions` most likely next tokens: the
+    candidates that may go on, best first, and those that ended with EOS."""
+    going_on: list[Beam] = []
+    ended: list[Beam] = []
+    for beam, output in zip(running, outputs, strict=True):
+        step = output.outputs[0].logprobs[0]
+        for token_id in islice(step, settings.expansions):
+            candidate = beam.extended(token_id, step, settings.logprobs)
+            if token_id == eos and not settings.ignore_eos:
+                candidate.finish_reason = "stop"
+                ended.append(candidate)
+            else:
+                going_on.append(candidate)
+    going_on.sort(key=lambda beam: beam.cumulative_logprob, reverse=True)
+    return going_on, ended
 
 
 async def beam_search(
@@ -92,24 +143,19 @@ async def beam_search(
     request_id: str,
     settings: BeamSearchSettings,
 ) -> RequestOutput:
-    """The `returned` best beams, best first, as one finished RequestOutput."""
+    """The `returned` best beams, best first, as one finished RequestOutput (with the
+    prompt's log-probabilities if `prompt_logprobs` asks for them)."""
     eos_token_id = tokenizer.eos_token_id
     running = [Beam()]
     finished: list[Beam] = []
+    prompt_logprobs: PromptLogprobs | None = None
     for length in range(1, settings.max_tokens + 1):
-        steps = await next_tokens(
-            engine, prompt_ids, running, f"{request_id}-{length}", 2 * settings.width
-        )
-        candidates: list[Beam] = []
-        for beam, step in zip(running, steps, strict=True):
-            for token_id in step:
-                candidate = beam.extended(token_id, step)
-                if token_id == eos_token_id and not settings.ignore_eos:
-                    candidate.finish_reason = "stop"
-                    finished.append(candidate)
-                else:
-                    candidates.append(candidate)
-        candidates.sort(key=lambda beam: beam.cumulative_logprob, reverse=True)
+        params = step_params(settings, first=length == 1)
+        outputs = await next_steps(engine, prompt_ids, running, f"{request_id}-{length}", params)
+        if length == 1:
+            prompt_logprobs = outputs[0].prompt_logprobs
+        candidates, ended = expand(running, outputs, settings, eos_token_id)
+        finished += ended
         running = candidates[: settings.width]
         if search_done(finished, running, settings, length):
             break
@@ -120,7 +166,7 @@ async def beam_search(
         request_id=request_id,
         prompt=None,
         prompt_token_ids=prompt_ids,
-        prompt_logprobs=None,
+        prompt_logprobs=prompt_logprobs,
         outputs=[
             completion(index, beam, tokenizer, settings, eos_token_id)
             for index, beam in enumerate(best)

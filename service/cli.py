@@ -19,6 +19,12 @@ from service.default_model import DEFAULT_SERVED_MODEL_NAME
 from service.logs import configure_logging
 from service.settings import EngineSettings, RequestLimits, ServerSettings
 
+COMMANDS = ("serve", "prepare-model")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# The options before the command: those that take a value, and those that take none.
+TOP_LEVEL_VALUE_OPTIONS = ("--log-level", "--log-format")
+TOP_LEVEL_SWITCHES = ("-h", "--help", "--version")
+
 
 def add_option(
     parser: argparse.ArgumentParser,
@@ -38,13 +44,33 @@ def add_option(
     )
 
 
-def one_of(*allowed: str) -> Callable[[str], str]:
+def one_of(*allowed: str, ignore_case: bool = False) -> Callable[[str], str]:
+    """A converter that refuses any text but `allowed` (with `ignore_case`, in any case)."""
+
     def convert(text: str) -> str:
-        if text not in allowed:
-            raise argparse.ArgumentTypeError(f"must be one of: {', '.join(allowed)}")
+        if (text.upper() if ignore_case else text) not in allowed:
+            suffix = " (any case)" if ignore_case else ""
+            raise argparse.ArgumentTypeError(f"must be one of: {', '.join(allowed)}{suffix}")
         return text
 
     return convert
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """A converter to an int of at least `minimum`, e.g. a limit that makes no sense below 1."""
+
+    def convert(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}")
+        return value
+
+    convert.__name__ = "int"  # argparse says "invalid int value" for text that is no integer
+    return convert
+
+
+positive_int = at_least(1)
+non_negative_int = at_least(0)
 
 
 def add_switch(parser: argparse.ArgumentParser, flag: str, env: str, help_text: str) -> None:
@@ -117,7 +143,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "TENSOR_PARALLEL_SIZE",
         defaults["tensor_parallel_size"],
         "devices one model is sharded over (vLLM tensor parallelism)",
-        int,
+        positive_int,
     )
     add_option(
         parser,
@@ -125,7 +151,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "PIPELINE_PARALLEL_SIZE",
         defaults["pipeline_parallel_size"],
         "pipeline stages the layers are split into (across GPUs or nodes)",
-        int,
+        positive_int,
     )
     add_option(
         parser,
@@ -133,7 +159,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "DATA_PARALLEL_SIZE",
         defaults["data_parallel_size"],
         "engine replicas inside this server (vLLM data parallelism)",
-        int,
+        positive_int,
     )
     add_option(
         parser,
@@ -161,7 +187,7 @@ def add_limit_options(parser: argparse.ArgumentParser) -> None:
         "MAX_IN_FLIGHT",
         server.max_in_flight,
         "completion requests served at once",
-        int,
+        positive_int,
     )
     add_option(
         parser,
@@ -169,10 +195,15 @@ def add_limit_options(parser: argparse.ArgumentParser) -> None:
         "MAX_WAITING",
         server.max_waiting,
         "requests waiting for a turn; past it requests are refused (429)",
-        int,
+        non_negative_int,
     )
     add_option(
-        parser, "--max-prompts", "MAX_PROMPTS", defaults.max_prompts, "prompts per request", int
+        parser,
+        "--max-prompts",
+        "MAX_PROMPTS",
+        defaults.max_prompts,
+        "prompts per request",
+        positive_int,
     )
     add_option(
         parser,
@@ -180,7 +211,7 @@ def add_limit_options(parser: argparse.ArgumentParser) -> None:
         "MAX_CHOICES",
         defaults.max_choices,
         "prompts x n (or best_of) per request",
-        int,
+        positive_int,
     )
     add_option(
         parser,
@@ -188,7 +219,7 @@ def add_limit_options(parser: argparse.ArgumentParser) -> None:
         "MAX_PROMPT_TOKENS",
         defaults.max_prompt_tokens,
         "prompt tokens per request, over all prompts",
-        int,
+        positive_int,
     )
     add_option(
         parser,
@@ -196,7 +227,7 @@ def add_limit_options(parser: argparse.ArgumentParser) -> None:
         "MAX_CONSTRAINT_BYTES",
         defaults.max_constraint_bytes,
         "size of a schema, regex, grammar, choices or the stop strings",
-        int,
+        positive_int,
     )
     add_option(
         parser,
@@ -204,7 +235,7 @@ def add_limit_options(parser: argparse.ArgumentParser) -> None:
         "MAX_LOGIT_BIAS",
         defaults.max_logit_bias,
         "logit_bias entries per request",
-        int,
+        non_negative_int,
     )
     add_option(
         parser,
@@ -212,7 +243,7 @@ def add_limit_options(parser: argparse.ArgumentParser) -> None:
         "MAX_MESSAGE_BYTES",
         server.max_message_bytes,
         "largest gRPC message received or sent (a whole reply is one message)",
-        int,
+        positive_int,
     )
 
 
@@ -220,9 +251,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llm-completions",
         description=__doc__.splitlines()[0] + " " + " ".join(__doc__.splitlines()[1:]),
+        # Top-level options only by their full names, as command_position() knows them.
+        allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    add_option(parser, "--log-level", "LOG_LEVEL", "INFO", "logging level")
+    add_option(
+        parser,
+        "--log-level",
+        "LOG_LEVEL",
+        "INFO",
+        "logging level",
+        one_of(*LOG_LEVELS, ignore_case=True),
+    )
     add_option(
         parser,
         "--log-format",
@@ -323,16 +363,34 @@ def run_prepare_model(_: argparse.Namespace) -> int:
     return 0
 
 
+def command_position(argv: Sequence[str]) -> int:
+    """Where the command stands, or belongs: after the top-level options and their values
+    (past the end if the last option lacks its value)."""
+    position = 0
+    while position < len(argv):
+        option, equals, _ = argv[position].partition("=")
+        if option in TOP_LEVEL_VALUE_OPTIONS:
+            position += 1 if equals else 2
+        elif argv[position] in TOP_LEVEL_SWITCHES:
+            position += 1
+        else:
+            break
+    return position
+
+
+def with_command(argv: list[str]) -> list[str]:
+    """argv with `serve`, the default command, put after the top-level options unless the
+    first argument after them names a command."""
+    position = command_position(argv)
+    if position > len(argv):
+        return argv  # the last option lacks its value: the parser says so
+    if position < len(argv) and argv[position] in COMMANDS:
+        return argv
+    return [*argv[:position], "serve", *argv[position:]]
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    if not any(arg in ("serve", "prepare-model") for arg in argv) and not {
-        "-h",
-        "--help",
-        "--version",
-    } & set(argv):
-        argv = ["serve", *argv]
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(with_command(list(sys.argv[1:] if argv is None else argv)))
     configure_logging(args.log_level, args.log_format)
     command = run_prepare_model if args.command == "prepare-model" else run_serve
     sys.exit(command(args))

@@ -40,6 +40,7 @@ from service.sampling import (
     beam_search_settings,
     is_greedy,
     requested_candidates,
+    requested_logprobs,
     requested_max_tokens,
     requested_n,
     sampling_params,
@@ -212,7 +213,7 @@ def choice_plan(
         candidates=n if request.use_beam_search else requested_candidates(request),
         echo=request.echo,
         keep_generated=requested_max_tokens(request) > 0,
-        logprobs=request.logprobs if request.HasField("logprobs") else None,
+        logprobs=requested_logprobs(request),
         tokenizer=tokenizer,
     )
 

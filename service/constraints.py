@@ -9,6 +9,7 @@ from typing import Any
 from google.protobuf import json_format, struct_pb2
 from llmcompletions.v2.completions_pb2 import CreateCompletionRequest
 from outlines_core.json_schema import build_regex_from_schema
+from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import StructuredOutputsParams
 
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -44,12 +45,22 @@ def constraint_field(request: CreateCompletionRequest) -> str | None:
     return None
 
 
-def json_constraint(schema: dict[str, Any], whitespace: str | None) -> StructuredOutputsParams:
+def json_constraint(
+    schema: dict[str, Any], whitespace: str | None, field: str = "guided_json"
+) -> StructuredOutputsParams:
     """A JSON-schema constraint. vLLM's backends ignore a whitespace pattern, so with one the
-    schema becomes the equivalent regular expression, built with that pattern."""
+    schema becomes the equivalent regular expression, built with that pattern; a schema
+    outlines-core cannot convert is a validation error on `field`, the one holding it."""
     if whitespace is None:
         return StructuredOutputsParams(json=schema)
-    regex = build_regex_from_schema(json.dumps(schema), whitespace_pattern=whitespace)
+    try:
+        regex = build_regex_from_schema(json.dumps(schema), whitespace_pattern=whitespace)
+    except ValueError as error:  # outlines-core's error for a schema it does not support
+        raise VLLMValidationError(
+            "the schema cannot be converted to a regular expression, which "
+            f"guided_whitespace_pattern needs: {error}",
+            parameter=field,
+        ) from error
     return StructuredOutputsParams(regex=regex)
 
 
@@ -72,6 +83,6 @@ def structured_outputs(request: CreateCompletionRequest) -> StructuredOutputsPar
         if response_format.type == "json_object":
             if whitespace is None:
                 return StructuredOutputsParams(json_object=True)
-            return json_constraint({"type": "object"}, whitespace)
-        return json_constraint(json_value(response_format.json_schema.schema), whitespace)
+            return json_constraint({"type": "object"}, whitespace, field)
+        return json_constraint(json_value(response_format.json_schema.schema), whitespace, field)
     return None

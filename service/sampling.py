@@ -21,7 +21,6 @@ OPTIONAL_PASSTHROUGH = (
     "frequency_penalty",
     "presence_penalty",
     "repetition_penalty",
-    "seed",
     "ignore_eos",
     "min_tokens",
     "logprobs",
@@ -32,6 +31,22 @@ OPTIONAL_PASSTHROUGH = (
 
 
 GREEDY_TEMPERATURE = 1e-5  # vLLM samples greedily below this
+SEED_LIMIT = 2**64  # vLLM's seeds are below this (msgpack and torch.Generator)
+
+
+def engine_seed(seed: int, sequences: int) -> int:
+    """The request's signed 64-bit seed as the non-negative seed vLLM is given.
+
+    vLLM reads seed -1 as "no seed" (SamplingParams.__post_init__, run again where the engine
+    core decodes the params), and a negative seed s seeds torch.Generator like 2**64 - 1 + s.
+    It carries seeds up to 2**64 - 1 (msgpack's limit; torch's too), and seeds the i-th of `n`
+    sequences with seed + i. So seeds >= 0 are kept and s < 0 becomes 2**63 - 1 - s: one to
+    one onto [0, 2**64), -1 to 2**63, -2**63 to 2**64 - 1. Only for the seeds nearest -2**63
+    with n > 1 would seed + i pass the limit; those are lowered to 2**64 - n (reproducible
+    still, sharing a sequence's seed with the neighbouring seeds, as seed + i always does).
+    """
+    unsigned = seed if seed >= 0 else 2**63 - 1 - seed
+    return min(unsigned, SEED_LIMIT - sequences)
 
 
 def requested_max_tokens(request: CreateCompletionRequest) -> int:
@@ -54,6 +69,16 @@ def requested_n(request: CreateCompletionRequest) -> int:
 def requested_candidates(request: CreateCompletionRequest) -> int:
     """Sequences sampled per prompt: best_of, else n."""
     return request.best_of if request.HasField("best_of") else requested_n(request)
+
+
+def requested_logprobs(request: CreateCompletionRequest) -> int | None:
+    return request.logprobs if request.HasField("logprobs") else None
+
+
+def prompt_logprobs(request: CreateCompletionRequest) -> int | None:
+    """Log-probabilities per prompt token, asked of the engine for echo with logprobs (the
+    response shows them for the echoed prompt)."""
+    return requested_logprobs(request) if request.echo else None
 
 
 def is_greedy(request: CreateCompletionRequest, model_defaults: dict[str, Any]) -> bool:
@@ -82,6 +107,8 @@ def sampling_params(
     for name in OPTIONAL_PASSTHROUGH:
         if request.HasField(name):
             params[name] = getattr(request, name)
+    if request.HasField("seed"):
+        params["seed"] = engine_seed(request.seed, n)
     if request.HasField("top_k"):
         params["top_k"] = max(request.top_k, 0)  # -1 and 0 both mean all tokens
     if request.HasField("stop"):
@@ -95,8 +122,7 @@ def sampling_params(
         params["structured_outputs"] = constraint
     if requested_candidates(request) > requested_n(request) and "logprobs" not in params:
         params["logprobs"] = 0  # ranking best_of candidates needs their log-probabilities
-    if request.echo and request.HasField("logprobs"):
-        params["prompt_logprobs"] = request.logprobs
+    params["prompt_logprobs"] = prompt_logprobs(request)
     max_tokens = requested_max_tokens(request)
     return SamplingParams.from_optional(
         **params,
@@ -126,4 +152,6 @@ def beam_search_settings(request: CreateCompletionRequest) -> BeamSearchSettings
         skip_special_tokens=(
             request.skip_special_tokens if request.HasField("skip_special_tokens") else True
         ),
+        logprobs=requested_logprobs(request) or 0,
+        prompt_logprobs=prompt_logprobs(request),
     )

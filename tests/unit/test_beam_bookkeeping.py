@@ -27,9 +27,14 @@ TABLE: dict[tuple[int, ...], dict[int, float]] = {
 ELSEWHERE = {EOS: -0.1, 12: -3.0, 13: -4.0}
 
 
+def prompt_logprob(position: int) -> float:
+    return -0.5 - position  # the fake engine's log-probability of the prompt token there
+
+
 class FakeEngine:
     """Answers each one-token request from TABLE, as vLLM does with `logprobs=k`: the greedy
-    token first, then the top k by rank (here the same list, as greedy is rank 1)."""
+    token first, then the top k by rank (here the same list, as greedy is rank 1); and with
+    `prompt_logprobs`, the prompt's (None for the first token, then each prompt token)."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[list[int], SamplingParams, str]] = []
@@ -50,9 +55,16 @@ class FakeEngine:
             for rank, (token_id, value) in enumerate(ranked, start=1)
         }
         chosen = ranked[0][0]
+        prompt_logprobs = None
+        if params.prompt_logprobs is not None:
+            prompt_logprobs = [None] + [
+                {token_id: Logprob(logprob=prompt_logprob(position), rank=1)}
+                for position, token_id in enumerate(token_ids[1:], start=1)
+            ]
         yield request_output(
             [completion_output([chosen], logprobs=[step], text="")],
             prompt_token_ids=token_ids,
+            prompt_logprobs=prompt_logprobs,
             request_id=request_id,
         )
 
@@ -82,14 +94,36 @@ def test_score_is_cumulative_logprob_over_length_to_the_penalty() -> None:
 def test_extending_a_beam_leaves_it_unchanged() -> None:
     step = {7: Logprob(-0.5), 9: Logprob(-1.5)}
     beam = Beam(token_ids=[2], cumulative_logprob=-1.0, logprobs=[{2: Logprob(-1.0)}])
-    longer = beam.extended(9, step)
+    longer = beam.extended(9, step, 1)
     assert (longer.token_ids, longer.cumulative_logprob, longer.finish_reason) == (
         [2, 9],
         -2.5,
         "length",
     )
-    assert longer.logprobs == [{2: Logprob(-1.0)}, step]
+    assert longer.logprobs == [{2: Logprob(-1.0)}, {9: Logprob(-1.5), 7: Logprob(-0.5)}]
     assert (beam.token_ids, beam.cumulative_logprob, len(beam.logprobs)) == ([2], -1.0, 1)
+
+
+STEP = {7: Logprob(-0.5, rank=1), 9: Logprob(-1.5, rank=2), 8: Logprob(-2.0, rank=3)}
+
+
+@pytest.mark.parametrize(
+    ("token_id", "shown", "expected"),
+    [
+        (9, 0, [9]),  # the token alone
+        (9, 1, [9, 7]),  # the token, then the most likely
+        (8, 2, [8, 7, 9]),  # a token outside the top `shown`: k + 1 entries
+        (9, 2, [9, 7]),  # a token among the top `shown` is there once: k entries
+        (7, 1, [7]),
+        (7, 5, [7, 9, 8]),  # no more than the step holds
+    ],
+)
+def test_a_beams_token_keeps_its_logprobs_first_then_the_top_shown(
+    token_id: int, shown: int, expected: list[int]
+) -> None:
+    kept = Beam().extended(token_id, STEP, shown).logprobs[0]
+    assert list(kept) == expected
+    assert all(kept[token] is STEP[token] for token in kept)
 
 
 def settings(**overrides: object) -> BeamSearchSettings:
@@ -172,7 +206,33 @@ def test_each_step_asks_for_one_greedy_token_with_two_width_logprobs() -> None:
     ]
     for _, params, _ in engine.calls:
         assert (params.max_tokens, params.temperature, params.logprobs) == (1, 0.0, 4)
-        assert not params.detokenize
+        assert not params.detokenize and params.prompt_logprobs is None
+
+
+def test_the_first_step_alone_asks_for_the_prompts_logprobs() -> None:
+    result, engine = run(settings(max_tokens=3, early_stopping=True, prompt_logprobs=2))
+    asked = [params.prompt_logprobs for _, params, _ in engine.calls]
+    assert asked == [2, None, None]  # one request per step for one beam, then two
+    assert result.prompt_logprobs == [None, {3: Logprob(prompt_logprob(1), rank=1)}]
+    without, _ = run(settings(max_tokens=3, early_stopping=True))
+    assert without.prompt_logprobs is None
+    # The search itself is the same.
+    assert beams(result) == beams(without)
+
+
+def test_more_logprobs_shown_than_expansions_are_asked_for_but_not_searched() -> None:
+    # Width 1 tries 2 next tokens; showing 3 alternatives needs 3 from the engine.
+    result, engine = run(settings(width=1, returned=1, max_tokens=5, logprobs=3))
+    assert all(params.logprobs == 3 for _, params, _ in engine.calls)
+    assert beams(result) == beams(run(settings(width=1, returned=1, max_tokens=5))[0])
+    # The first token " A" with " A", " B" and EOS, the three most likely.
+    assert list(result.outputs[0].logprobs[0]) == [10, 11, EOS]
+
+
+def test_only_the_expansions_become_candidates() -> None:
+    # Width 1 shows 2 alternatives: EOS (rank 3 at the start) must not end a beam there.
+    result, _ = run(settings(width=1, returned=3, max_tokens=1, logprobs=2))
+    assert beams(result) == [([10], " A", "length")]
 
 
 def test_the_heuristic_keeps_searching_while_a_running_beam_could_win() -> None:
@@ -209,50 +269,45 @@ def test_max_tokens_bounds_the_search() -> None:
     assert len(engine.calls) == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: beam search keeps the engine's own step logprobs, which list the greedy "
-    "token first, not the beam's token; so a beam that took a lower-ranked token does not "
-    "have it in top_logprobs (the API promises the chosen token is among them)",
-)
-def test_a_beams_chosen_token_is_among_its_top_logprobs() -> None:
-    result, _ = run(settings(max_tokens=2, returned=2, early_stopping=True))
+def response_of(result: RequestOutput, echo: bool, logprobs: int, n: int) -> dict:
+    """The whole response the service makes of a beam-search result (as JSON)."""
+    plan = ChoicePlan(
+        prompts=[PreparedPrompt(token_ids=PROMPT, text="The capital")],
+        n=n,
+        candidates=n,
+        echo=echo,
+        keep_generated=True,
+        logprobs=logprobs,
+        tokenizer=FakeTokenizer(),
+    )
+    slot = EngineSlot(0, 0, "req", settings())
+    return json_format.MessageToDict(
+        whole_response(ResponseHeader.new("m", "fp"), plan, [(slot, result)])
+    )
+
+
+@pytest.mark.parametrize("logprobs", [0, 1, 3])
+def test_a_beams_chosen_token_is_among_its_top_logprobs(logprobs: int) -> None:
+    result, _ = run(settings(max_tokens=2, returned=2, early_stopping=True, logprobs=logprobs))
     assert [list(o.token_ids) for o in result.outputs][1] == [11, 12]  # " B" was rank 2
-    plan = ChoicePlan(
-        prompts=[PreparedPrompt(token_ids=PROMPT, text="The capital")],
-        n=2,
-        candidates=2,
-        echo=False,
-        keep_generated=True,
-        logprobs=0,
-        tokenizer=FakeTokenizer(),
-    )
-    slot = EngineSlot(0, 0, "req", settings())
-    response = whole_response(ResponseHeader.new("m", "fp"), plan, [(slot, result)])
-    choice = json_format.MessageToDict(response.choices[1])
-    assert choice["logprobs"]["tokens"][0] == " B"
-    assert " B" in choice["logprobs"]["top_logprobs"][0]
+    choices = response_of(result, echo=False, logprobs=logprobs, n=2)["choices"]
+    for choice in choices:
+        shown = choice["logprobs"]
+        for token, value, top in zip(
+            shown["tokens"], shown["token_logprobs"], shown["top_logprobs"], strict=True
+        ):
+            assert top[token] == value
+            assert len(top) in (max(logprobs, 1), logprobs + 1)  # k, or k + 1 with the token
+    second = choices[1]["logprobs"]
+    assert second["tokens"] == [" B", " C"]
+    assert second["token_logprobs"] == [-1.0, -0.05]
+    expected_first = {" B": -1.0, " A": -0.1, "</s>": -3.0}
+    assert second["top_logprobs"][0] == dict(list(expected_first.items())[: logprobs + 1])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="gap: beam search returns no prompt log-probabilities, so with echo and logprobs "
-    "every echoed prompt token has a null log-probability, not only the first",
-)
 def test_beam_search_echo_with_logprobs_scores_the_prompt() -> None:
-    result, _ = run(settings(max_tokens=2, returned=1, early_stopping=True))
-    plan = ChoicePlan(
-        prompts=[PreparedPrompt(token_ids=PROMPT, text="The capital")],
-        n=1,
-        candidates=1,
-        echo=True,
-        keep_generated=True,
-        logprobs=0,
-        tokenizer=FakeTokenizer(),
-    )
-    slot = EngineSlot(0, 0, "req", settings())
-    response = whole_response(ResponseHeader.new("m", "fp"), plan, [(slot, result)])
-    logprobs = json_format.MessageToDict(response.choices[0])["logprobs"]
-    assert logprobs["tokens"][:2] == ["The", " capital"]
-    assert logprobs["token_logprobs"][0] is None
-    assert logprobs["token_logprobs"][1] is not None
+    result, _ = run(settings(max_tokens=2, returned=1, early_stopping=True, prompt_logprobs=0))
+    logprobs = response_of(result, echo=True, logprobs=0, n=1)["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == ["The", " capital", " A", "</s>"]
+    assert logprobs["token_logprobs"] == [None, prompt_logprob(1), -0.1, -0.2]
+    assert logprobs["top_logprobs"][:2] == [None, {" capital": prompt_logprob(1)}]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -292,49 +293,165 @@ def test_main_exits_with_the_commands_code(monkeypatch: pytest.MonkeyPatch) -> N
     assert main("serve") == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: without an explicit `serve`, main() puts `serve` before every argument, so "
-    "the top-level --log-level/--log-format become unrecognized serve arguments (exit 2)",
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("--log-level", "DEBUG", "--port", "7000"),
+        ("--log-level=DEBUG", "--port", "7000"),
+        ("--log-format", "plain", "--log-level", "DEBUG", "--port=7000"),
+    ],
 )
-def test_top_level_options_work_without_an_explicit_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_top_level_options_work_without_an_explicit_serve(
+    monkeypatch: pytest.MonkeyPatch, argv: tuple[str, ...]
+) -> None:
     calls = Calls(monkeypatch)
-    assert main("--log-level", "DEBUG", "--port", "7000") == 0
+    assert main(*argv) == 0
     assert calls.logging == [("DEBUG", "plain")]
+    assert [args.port for args in calls.serve] == [7000]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: main() looks for the words serve/prepare-model anywhere in argv, so an option "
-    "value spelled `serve` (e.g. --served-model-name serve) suppresses the implicit `serve`",
-)
+def test_top_level_options_alone_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = Calls(monkeypatch)
+    assert main("--log-format", "json") == 0
+    assert calls.logging == [("INFO", "json")]
+    assert [args.command for args in calls.serve] == ["serve"]
+
+
 def test_an_option_value_named_serve_is_just_a_value(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = Calls(monkeypatch)
     assert main("--served-model-name", "serve") == 0
-    assert [args.served_model_name for args in calls.serve] == ["serve"]
+    assert main("--served-model-name", "prepare-model", "--port", "7000") == 0
+    assert [args.served_model_name for args in calls.serve] == ["serve", "prepare-model"]
+    assert calls.prepare == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="bug: --log-level/LOG_LEVEL is not checked by the parser; an unknown level is a "
-    "ValueError traceback from logging.setLevel (exit 1), not a usage error (exit 2)",
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        ([], ["serve"]),
+        (["--port", "1"], ["serve", "--port", "1"]),
+        (["--log-level", "debug", "--port", "1"], ["--log-level", "debug", "serve", "--port", "1"]),
+        (["--log-level=debug", "serve", "-h"], ["--log-level=debug", "serve", "-h"]),
+        (["--log-format", "json", "prepare-model"], ["--log-format", "json", "prepare-model"]),
+        (["--model", "serve"], ["serve", "--model", "serve"]),
+        (["--help"], ["--help", "serve"]),  # argparse acts on --help first: the top-level help
+        (["--log-level"], ["--log-level"]),  # the parser reports the missing value
+    ],
+)  # fmt: skip
+def test_serve_goes_after_the_top_level_options(argv: list[str], expected: list[str]) -> None:
+    assert cli.with_command(argv) == expected
+
+
+def test_the_top_level_options_are_the_parsers(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = cli.build_parser()
+    options = {
+        option: action.nargs != 0
+        for action in parser._actions
+        if not isinstance(action, argparse._SubParsersAction)
+        for option in action.option_strings
+    }
+    assert {name for name, takes_value in options.items() if takes_value} == set(
+        cli.TOP_LEVEL_VALUE_OPTIONS
+    )
+    assert {name for name, takes_value in options.items() if not takes_value} == set(
+        cli.TOP_LEVEL_SWITCHES
+    )
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    assert tuple(commands.choices) == cli.COMMANDS
+
+
+def test_top_level_help_lists_the_commands(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    calls = Calls(monkeypatch)
+    assert main("--log-level", "DEBUG", "--help") == 0
+    assert "{serve,prepare-model}" in capsys.readouterr().out
+    assert main("--port", "1", "--help") == 0  # after a serve option: serve's help
+    assert "--max-in-flight" in capsys.readouterr().out
+    assert calls.serve == []
+
+
+def test_a_top_level_option_without_its_value_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    calls = Calls(monkeypatch)
+    assert main("--log-level") == 2
+    assert "argument --log-level: expected one argument" in capsys.readouterr().err
+    assert calls.serve == []
+
+
+@pytest.mark.parametrize(
+    ("source", "value"), [("env", "verbose"), ("flag", "verbose"), ("flag", "warn")]
 )
-def test_an_unknown_log_level_is_a_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cli, "run_prepare_model", lambda args: 0)
-    monkeypatch.setenv("LOG_LEVEL", "verbose")
-    assert main("prepare-model") == 2
+def test_an_unknown_log_level_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], source: str, value: str
+) -> None:
+    calls = Calls(monkeypatch)
+    if source == "env":
+        monkeypatch.setenv("LOG_LEVEL", value)
+    argv = ("--log-level", value) if source == "flag" else ()
+    assert main(*argv, "prepare-model") == 2
+    err = capsys.readouterr().err
+    assert (
+        "argument --log-level: must be one of: DEBUG, INFO, WARNING, ERROR, CRITICAL (any case)"
+        in err
+    )
+    assert "Traceback" not in err
+    assert calls.prepare == [] and calls.logging == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="gap: --max-in-flight 0 (or negative) is accepted; with 0 every request waits "
-    "forever, a negative value fails at start-up inside asyncio.Semaphore",
+@pytest.mark.parametrize("value", ["debug", "Warning", "CRITICAL"])
+def test_log_levels_in_any_case(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    calls = Calls(monkeypatch)
+    assert main("--log-level", value, "prepare-model") == 0
+    assert calls.logging == [(value, "plain")]
+
+
+def test_every_known_log_level_is_one_logging_accepts() -> None:
+    # configure_logging() passes the level, upper-cased, to Logger.setLevel.
+    for level in cli.LOG_LEVELS:
+        assert isinstance(logging.getLevelName(level), int)
+
+
+POSITIVE_OPTIONS = [
+    "--max-in-flight",
+    "--max-prompts",
+    "--max-choices",
+    "--max-prompt-tokens",
+    "--max-constraint-bytes",
+    "--max-message-bytes",
+    "--tensor-parallel-size",
+    "--pipeline-parallel-size",
+    "--data-parallel-size",
+]
+NON_NEGATIVE_OPTIONS = ["--max-waiting", "--max-logit-bias"]
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [(option, value) for option in POSITIVE_OPTIONS for value in ("0", "-1")]
+    + [(option, "-1") for option in NON_NEGATIVE_OPTIONS],
 )
-@pytest.mark.parametrize("value", ["0", "-1"])
-def test_max_in_flight_must_be_positive(value: str) -> None:
-    with pytest.raises(SystemExit):
-        parse("serve", "--max-in-flight", value)
+def test_limits_below_their_minimum_are_usage_errors(
+    capsys: pytest.CaptureFixture[str], option: str, value: str
+) -> None:
+    minimum = 1 if option in POSITIVE_OPTIONS else 0
+    err = usage_error(capsys, "serve", option, value)
+    assert f"argument {option}: must be at least {minimum}" in err
+
+
+def test_limits_at_their_minimum_are_accepted() -> None:
+    args = parse("serve", *(arg for option in POSITIVE_OPTIONS for arg in (option, "1")))
+    assert (args.max_in_flight, args.max_message_bytes, args.data_parallel_size) == (1, 1, 1)
+    args = parse("serve", "--max-waiting", "0", "--max-logit-bias", "0")
+    assert (args.max_waiting, args.max_logit_bias) == (0, 0)
+
+
+def test_a_limit_from_the_environment_is_checked_too(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("MAX_IN_FLIGHT", "0")
+    assert "argument --max-in-flight: must be at least 1" in usage_error(capsys, "serve")
 
 
 # ---- run_serve(): the settings the server is built from

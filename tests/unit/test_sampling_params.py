@@ -8,13 +8,20 @@ import pytest
 from google.protobuf import json_format, struct_pb2
 from unit_fakes import make_request
 from vllm.exceptions import VLLMValidationError
-from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from vllm.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    SamplingType,
+    StructuredOutputsParams,
+)
+from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from service.beam_search import BeamSearchSettings
 from service.sampling import (
     DEFAULT_MAX_TOKENS,
     beam_search_settings,
     early_stopping,
+    engine_seed,
     is_greedy,
     requested_candidates,
     requested_max_tokens,
@@ -77,7 +84,7 @@ def test_every_passthrough_field_reaches_vllm() -> None:
         frequency_penalty=0.5,
         presence_penalty=-0.5,
         repetition_penalty=1.2,
-        seed=-(2**63),
+        seed=12345,
         ignore_eos=True,
         min_tokens=4,
         max_tokens=9,
@@ -92,7 +99,7 @@ def test_every_passthrough_field_reaches_vllm() -> None:
         -0.5,
         1.2,
     )
-    assert built.seed == -(2**63)
+    assert built.seed == 12345  # a non-negative seed is passed on as it is
     assert built.ignore_eos and built.min_tokens == 4 and built.max_tokens == 9
     assert built.logprobs == 3
     assert not built.skip_special_tokens and not built.spaces_between_special_tokens
@@ -140,6 +147,24 @@ def test_prompt_logprobs_only_for_echo_with_logprobs() -> None:
     assert params(echo=True, logprobs=0).prompt_logprobs == 0
     assert params(echo=True).prompt_logprobs is None
     assert params(logprobs=2).prompt_logprobs is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "logprobs", "prompt_logprobs"),
+    [
+        ({}, 0, None),
+        ({"logprobs": 3}, 3, None),
+        ({"echo": True}, 0, None),
+        ({"echo": True, "logprobs": 0}, 0, 0),
+        ({"echo": True, "logprobs": 2}, 2, 2),
+    ],
+)
+def test_beam_search_asks_for_the_logprobs_sampling_would(
+    fields: dict[str, Any], logprobs: int, prompt_logprobs: int | None
+) -> None:
+    settings = beam_search_settings(make_request(use_beam_search=True, **fields))
+    assert (settings.logprobs, settings.prompt_logprobs) == (logprobs, prompt_logprobs)
+    assert settings.prompt_logprobs == params(**fields).prompt_logprobs
 
 
 def test_best_of_above_n_asks_for_logprobs_to_rank_candidates() -> None:
@@ -237,10 +262,38 @@ def test_beam_search_settings_from_a_full_request() -> None:
     assert beam_search_settings(make_request(n=3, early_stopping=True)).early_stopping is True
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: vLLM's SamplingParams turns seed -1 into None (unseeded), so a request with "
-    "seed -1, which validation accepts as a signed 64-bit seed, is not reproducible",
-)
-def test_seed_minus_one_is_a_seed_like_any_other() -> None:
-    assert params(seed=-1).seed == -1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+@pytest.mark.parametrize("seed", [-1, -2, INT64_MIN, INT64_MIN + 1])
+def test_negative_seeds_are_seeds_like_any_other(seed: int) -> None:
+    built = params(seed=seed, temperature=1.0)
+    # vLLM would read -1 as no seed; every accepted seed must seed the engine.
+    assert built.seed is not None and 0 <= built.seed < 2**64
+    assert built.sampling_type == SamplingType.RANDOM_SEED
+    assert params(seed=seed, temperature=1.0).seed == built.seed  # the same every time
+
+
+def test_seed_minus_one_survives_the_trip_to_the_engine_core() -> None:
+    # The engine core decodes the params again, running __post_init__ (-1 -> None) once more.
+    built = params(seed=-1, temperature=1.0)
+    sent = MsgpackDecoder(SamplingParams).decode(MsgpackEncoder().encode(built))
+    assert sent.seed == built.seed == 2**63
+
+
+def test_distinct_seeds_stay_distinct() -> None:
+    seeds = [INT64_MIN, INT64_MIN + 1, -2, -1, 0, 1, 2, INT64_MAX - 1, INT64_MAX]
+    mapped = [engine_seed(seed, 1) for seed in seeds]
+    assert len(set(mapped)) == len(seeds)
+    assert mapped[4:] == seeds[4:]  # non-negative seeds unchanged (as before the fix)
+    assert (mapped[0], mapped[3]) == (2**64 - 1, 2**63)
+    assert all(0 <= value < 2**64 for value in mapped)
+
+
+@pytest.mark.parametrize("n", [2, 128])
+def test_every_sequence_seed_fits_vllms_range(n: int) -> None:
+    # vLLM seeds the i-th of n sequences with seed + i; msgpack carries at most 2**64 - 1.
+    for seed in (INT64_MIN, INT64_MIN + 1, -1, INT64_MAX):
+        assert engine_seed(seed, n) + n - 1 < 2**64
+        assert params(engine_n=n, seed=seed, temperature=1.0).seed == engine_seed(seed, n)
+    assert engine_seed(-1, n) == 2**63 and engine_seed(INT64_MIN, n) == 2**64 - n

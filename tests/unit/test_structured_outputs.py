@@ -4,14 +4,18 @@ StructuredOutputsParams."""
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 from typing import Any
 
+import grpc
 import pytest
 from google.protobuf import json_format, struct_pb2
 from unit_fakes import make_request
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import StructuredOutputsParams
 
+from service import constraints
+from service.completions import CompletionHandler
 from service.constraints import (
     constraint_field,
     json_constraint,
@@ -19,7 +23,9 @@ from service.constraints import (
     restore_integers,
     structured_outputs,
 )
+from service.errors import RequestValidationError
 from service.sampling import sampling_params
+from service.settings import RequestLimits
 
 SCHEMA = {
     "type": "object",
@@ -140,17 +146,54 @@ def test_restore_integers_walks_nested_values() -> None:
     assert json_value(struct) == {"n": 3, "f": 0.25, "l": [0, None]}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="bug: with guided_whitespace_pattern, a schema outlines-core cannot convert raises a "
-    "plain ValueError from sampling_params(); the handler only maps VLLMValidationError to a "
-    "validation error, so the caller gets INTERNAL/500 instead of INVALID_ARGUMENT/422",
-)
-@pytest.mark.parametrize("schema", [{"type": "foo"}, {"$ref": "#/nope"}])
+UNCONVERTIBLE = [{"type": "foo"}, {"$ref": "#/nope"}]
+
+
+@pytest.mark.parametrize("schema", UNCONVERTIBLE)
 def test_an_unconvertible_schema_with_a_whitespace_pattern_is_a_validation_error(
     schema: dict[str, Any],
 ) -> None:
     request = make_request(guided_json=schema, guided_whitespace_pattern=" ")
-    with pytest.raises(VLLMValidationError):
+    with pytest.raises(VLLMValidationError) as caught:
         sampling_params(request, {}, 1)
+    assert caught.value.parameter == "guided_json"
+    assert "the schema cannot be converted" in str(caught.value)
+
+
+def test_an_unconvertible_response_format_schema_names_response_format() -> None:
+    response_format = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "x"}}}
+    request = make_request(response_format=response_format, guided_whitespace_pattern=" ")
+    with pytest.raises(VLLMValidationError) as caught:
+        structured_outputs(request)
+    assert caught.value.parameter == "response_format"
+
+
+def handler() -> CompletionHandler:
+    """A handler whose model is only what engine_requests() reads."""
+    config = SimpleNamespace(renderer_num_workers=1)
+    model = SimpleNamespace(default_sampling={}, engine=SimpleNamespace(model_config=config))
+    return CompletionHandler(model, RequestLimits())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("schema", UNCONVERTIBLE)
+def test_the_handler_refuses_an_unconvertible_schema_as_invalid_argument(
+    schema: dict[str, Any],
+) -> None:
+    request = make_request(guided_json=schema, guided_whitespace_pattern=" ", temperature=1)
+    with pytest.raises(RequestValidationError) as caught:
+        handler().engine_requests(request, "req", 1)
+    assert caught.value.grpc_code == grpc.StatusCode.INVALID_ARGUMENT  # 422 through Envoy
+    ((violation,),) = [caught.value.violations]
+    assert (violation.loc, violation.type) == (("guided_json",), "value_error")
+    assert "the schema cannot be converted" in violation.msg
+
+
+def test_only_outlines_cores_refusal_becomes_a_validation_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def broken(schema: str, whitespace_pattern: str) -> str:
+        raise TypeError("a bug, not a bad schema")
+
+    monkeypatch.setattr(constraints, "build_regex_from_schema", broken)
+    with pytest.raises(TypeError):
+        structured_outputs(make_request(guided_json=SCHEMA, guided_whitespace_pattern=" "))
