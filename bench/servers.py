@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from facade.stack import Stack, free_port
+from tests.processes import TestStack, free_port
 
 # The same engine settings for every server and the offline ceiling. Prefix caching is off:
 # the servers see the same prompts one after another, and a warm cache would favour the later.
@@ -123,7 +123,7 @@ class OurStack:
         env: dict[str, str] | None = None,
         source: Path | None = None,
     ) -> None:
-        self.stack = Stack(
+        self.stack = TestStack(
             env=env,
             source=source,
             grpc_port=free_port(),

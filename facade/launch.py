@@ -1,11 +1,12 @@
 """Start Envoy with envoy.yaml, set to the given ports, limits and upstream gRPC service.
 
-Usage: python -m facade.launch [--http-port 8080] [--admin-port 9901] [--upstream 127.0.0.1:50051]
+Usage: python -m facade.launch [--http-port PORT] [--admin-port PORT] [--upstream HOST:PORT ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import ipaddress
 import os
 import shutil
@@ -16,11 +17,19 @@ from typing import Any
 
 import yaml
 
+from service.settings import ServerSettings
+
 FACADE_DIR = Path(__file__).resolve().parent
 ENVOY_TEMPLATE = FACADE_DIR.parent / "envoy.yaml"
 LUA_FILE = FACADE_DIR / "completions.lua"
 DESCRIPTOR_FILE = FACADE_DIR / "completions.pb"
 OPENAPI_FILE = FACADE_DIR / "openapi.json"
+TEMPLATE = yaml.safe_load(ENVOY_TEMPLATE.read_text())
+# The ports of envoy.yaml, the one place they are written.
+DEFAULT_HTTP_PORT: int = TEMPLATE["static_resources"]["listeners"][0]["address"]["socket_address"][
+    "port_value"
+]
+DEFAULT_ADMIN_PORT: int = TEMPLATE["admin"]["address"]["socket_address"]["port_value"]
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 # A whole JSON reply: room for the JSON of the largest gRPC message (16 MiB by default).
 DEFAULT_MAX_REPLY_BYTES = 64 * 1024 * 1024
@@ -78,7 +87,7 @@ def render_config(
     debug_headers: bool = False,
 ) -> dict[str, Any]:
     """envoy.yaml with ports, upstream endpoints, limits and absolute file paths filled in."""
-    config = yaml.safe_load(ENVOY_TEMPLATE.read_text())
+    config = copy.deepcopy(TEMPLATE)
     config["admin"]["address"]["socket_address"]["port_value"] = admin_port
     listener = config["static_resources"]["listeners"][0]
     listener["address"]["socket_address"].update(address=listen_host, port_value=http_port)
@@ -144,8 +153,10 @@ def positive_int(text: str) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--http-port", type=int, default=from_env("HTTP_PORT", 8080))
-    parser.add_argument("--admin-port", type=int, default=from_env("ENVOY_ADMIN_PORT", 9901))
+    parser.add_argument("--http-port", type=int, default=from_env("HTTP_PORT", DEFAULT_HTTP_PORT))
+    parser.add_argument(
+        "--admin-port", type=int, default=from_env("ENVOY_ADMIN_PORT", DEFAULT_ADMIN_PORT)
+    )
     parser.add_argument(
         "--upstream",
         type=parse_address,
@@ -186,7 +197,8 @@ def main() -> None:
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args()
     try:
-        upstreams = args.upstream or [parse_address(f"127.0.0.1:{from_env('GRPC_PORT', 50051)}")]
+        grpc_port = from_env("GRPC_PORT", ServerSettings.port)
+        upstreams = args.upstream or [parse_address(f"127.0.0.1:{grpc_port}")]
     except argparse.ArgumentTypeError as error:
         parser.error(f"GRPC_PORT: {error}")
     config = render_config(

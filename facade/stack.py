@@ -1,7 +1,6 @@
 """Run the whole stack: the gRPC completion service and Envoy in front of it.
 
-`make serve` runs this; the tests start the same stack on free ports. Ctrl-C (SIGINT) or
-SIGTERM stops both processes.
+`make serve` runs this. Ctrl-C (SIGINT) or SIGTERM stops both processes.
 
 Usage: python -m facade.stack [service options...]   (see `python -m service serve --help`)
 """
@@ -11,26 +10,21 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from facade.launch import DEFAULT_ADMIN_PORT, DEFAULT_HTTP_PORT
+from service.settings import ServerSettings
+
 STOP_TIMEOUT_SECONDS = 40.0
-
-
-def free_port() -> int:
-    """A TCP port on loopback that nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class StackError(RuntimeError):
@@ -41,14 +35,12 @@ class StackError(RuntimeError):
 class Stack:
     """The service and Envoy as child processes."""
 
-    grpc_port: int = 50051
-    http_port: int = 8080
-    admin_port: int = 9901
+    grpc_port: int = ServerSettings.port
+    http_port: int = DEFAULT_HTTP_PORT
+    admin_port: int = DEFAULT_ADMIN_PORT
     service_args: Sequence[str] = ()
     env: dict[str, str] | None = None
-    service_log: Path | None = None  # the service's output goes here instead of the terminal
-    source: Path | None = None  # run the code of this checkout (e.g. an older one) instead
-    service_module: str = "service"  # `python -m` this to run the service
+    service_module: str = "service"  # run with `python -m`
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     @property
@@ -59,50 +51,34 @@ class Stack:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
 
+    def service_command(self) -> list[str]:
+        return [sys.executable, "-m", self.service_module, "serve", "--port", str(self.grpc_port)]
+
+    def envoy_command(self) -> list[str]:
+        return [
+            *(sys.executable, "-m", "facade.launch", "--upstream", self.grpc_target),
+            *("--http-port", str(self.http_port), "--admin-port", str(self.admin_port)),
+        ]
+
+    def service_popen_options(self) -> dict[str, Any]:
+        return {}
+
     def start(self, with_envoy: bool = True) -> None:
-        """Start the service (its output to `service_log`) and, unless told not to, Envoy."""
-        python = sys.executable
+        """Start the service and, unless told not to, Envoy."""
         env = {**os.environ, **(self.env or {})}
-        service = [
-            python,
-            "-m",
-            self.service_module,
-            "serve",
-            "--port",
-            str(self.grpc_port),
-            *self.service_args,
-        ]
-        envoy = [
-            python,
-            "-m",
-            "facade.launch",
-            "--http-port",
-            str(self.http_port),
-            "--admin-port",
-            str(self.admin_port),
-            "--upstream",
-            self.grpc_target,
-        ]
-        log = self.service_log.open("ab") if self.service_log else None
         self.processes = [
             subprocess.Popen(
-                service,
+                [*self.service_command(), *self.service_args],
                 env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT if log else None,
-                cwd=self.source,  # `python -m` imports from the working directory first
+                **self.service_popen_options(),
             )
         ]
         if with_envoy:
-            self.processes.append(subprocess.Popen(envoy, env=env, cwd=self.source))
+            self.processes.append(subprocess.Popen(self.envoy_command(), env=env))
 
     def wait_ready(self, timeout: float) -> None:
         """Block until the service reports SERVING and Envoy is live."""
         self.wait_until(lambda: self.service_serving() and self.envoy_ready(), timeout)
-
-    def wait_ready_service(self, timeout: float) -> None:
-        """Block until the service reports SERVING (for a stack without Envoy)."""
-        self.wait_until(self.service_serving, timeout)
 
     def wait_until(self, ready: Callable[[], bool], timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -162,10 +138,11 @@ def interrupt(signum: int, frame: object) -> None:
 
 
 def main() -> None:
+    # Ports as the service and the launcher read them: from their environment variables.
     stack = Stack(
-        grpc_port=int(os.environ.get("GRPC_PORT", 50051)),
-        http_port=int(os.environ.get("HTTP_PORT", 8080)),
-        admin_port=int(os.environ.get("ENVOY_ADMIN_PORT", 9901)),
+        grpc_port=int(os.environ.get("GRPC_PORT") or ServerSettings.port),
+        http_port=int(os.environ.get("HTTP_PORT") or DEFAULT_HTTP_PORT),
+        admin_port=int(os.environ.get("ENVOY_ADMIN_PORT") or DEFAULT_ADMIN_PORT),
         service_args=sys.argv[1:],
     )
     for signum in (signal.SIGINT, signal.SIGTERM):

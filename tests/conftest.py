@@ -12,8 +12,8 @@ import pytest
 from llmcompletions.v2 import completions_pb2_grpc
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from facade.stack import Stack, free_port
 from service.default_model import DEFAULT_SERVED_MODEL_NAME, prepare_default_model
+from tests.processes import TestStack, free_port
 
 MODEL = DEFAULT_SERVED_MODEL_NAME
 MAX_MODEL_LEN = 2048
@@ -38,8 +38,8 @@ def tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
 
 
 @pytest.fixture(scope="session")
-def stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    running = Stack(
+def stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestStack]:
+    running = TestStack(
         grpc_port=free_port(),
         http_port=free_port(),
         admin_port=free_port(),
@@ -69,23 +69,23 @@ def stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 
 @pytest.fixture(scope="session")
-def rest(stack: Stack) -> Iterator[httpx.Client]:
+def rest(stack: TestStack) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=stack.base_url, timeout=120, headers=AUTH_HEADERS) as client:
         yield client
 
 
 @pytest.fixture(scope="session")
-def grpc_stub(stack: Stack) -> Iterator[completions_pb2_grpc.CompletionServiceStub]:
+def grpc_stub(stack: TestStack) -> Iterator[completions_pb2_grpc.CompletionServiceStub]:
     with grpc.insecure_channel(stack.grpc_target) as channel:
         yield completions_pb2_grpc.CompletionServiceStub(channel)
 
 
 @pytest.fixture(scope="session")
-def openai_client(stack: Stack) -> openai.OpenAI:
+def openai_client(stack: TestStack) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{stack.base_url}/v2", api_key=API_KEY, max_retries=0)
 
 
 @pytest.fixture(scope="session")
-def metrics_url(stack: Stack) -> str:
+def metrics_url(stack: TestStack) -> str:
     port = stack.service_args[stack.service_args.index("--metrics-port") + 1]
     return f"http://127.0.0.1:{port}/metrics"

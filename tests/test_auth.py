@@ -7,15 +7,15 @@ import httpx
 import pytest
 from llmcompletions.v2 import completions_pb2_grpc
 
-from facade.stack import Stack
 from tests.helpers import CAPITAL_PROMPT, body, grpc_request
 from tests.metrics import sample
+from tests.processes import TestStack
 
 WRONG = {"Authorization": "Bearer not-the-key"}
 
 
 @pytest.mark.parametrize("headers", [{}, WRONG, {"Authorization": "Basic dGVzdA=="}])
-def test_rest_without_the_key_is_a_json_401(stack: Stack, headers: dict) -> None:
+def test_rest_without_the_key_is_a_json_401(stack: TestStack, headers: dict) -> None:
     for stream in (False, True):
         response = httpx.post(
             f"{stack.base_url}/v2/completions",
@@ -37,7 +37,7 @@ def test_grpc_without_the_key_is_unauthenticated(
     assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
-def test_the_key_is_never_logged(stack: Stack, rest: httpx.Client) -> None:
+def test_the_key_is_never_logged(stack: TestStack, rest: httpx.Client) -> None:
     from tests.conftest import API_KEY
 
     assert rest.post("/v2/completions", json=body(prompt="Hi", max_tokens=1)).status_code == 200
@@ -45,7 +45,7 @@ def test_the_key_is_never_logged(stack: Stack, rest: httpx.Client) -> None:
     assert API_KEY not in stack.service_log.read_text()
 
 
-def test_a_refused_call_is_counted_and_logged_once(stack: Stack, metrics_url: str) -> None:
+def test_a_refused_call_is_counted_and_logged_once(stack: TestStack, metrics_url: str) -> None:
     refused = {"method": "CreateCompletion", "code": "UNAUTHENTICATED"}
     before = sample(metrics_url, "llmcompletions_requests_total", **refused)
     response = httpx.post(

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import httpx
 
-from tests.helpers import body, complete, post
+from tests.helpers import CAPITAL_PROMPT, body, complete, post
 
 CHAT = "<|im_start|>user\nName a fruit.<|im_end|>\n<|im_start|>assistant\n"
 
@@ -50,3 +52,48 @@ def test_beam_search_cannot_be_streamed(rest: httpx.Client) -> None:
     response = post(rest, body(prompt=CHAT, use_beam_search=True, stream=True))
     assert response.status_code == 422
     assert "cannot be streamed" in response.json()["detail"][0]["msg"]
+
+
+def test_each_beams_tokens_are_among_their_top_logprobs(rest: httpx.Client) -> None:
+    beams = complete(
+        rest,
+        prompt="The best fruit is",
+        max_tokens=6,
+        ignore_eos=True,
+        use_beam_search=True,
+        n=3,
+        best_of=3,
+        logprobs=2,
+    )["choices"]
+    below_the_top = 0
+    for choice in beams:
+        logprobs = choice["logprobs"]
+        steps = zip(
+            logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"], strict=True
+        )
+        for token, logprob, top in steps:
+            assert token in top and math.isclose(top[token], logprob)
+            assert 2 <= len(top) <= 3
+            below_the_top += logprob < max(top.values())
+    assert below_the_top > 0  # some beam took a token that was not the most likely
+
+
+def test_beam_search_echo_scores_every_prompt_token_but_the_first(rest: httpx.Client) -> None:
+    request = {"prompt": CAPITAL_PROMPT, "max_tokens": 3, "echo": True, "logprobs": 1}
+    sampled = complete(rest, **request)["choices"][0]["logprobs"]
+    result = complete(rest, use_beam_search=True, n=1, best_of=2, **request)
+    (beam,) = result["choices"]
+    logprobs = beam["logprobs"]
+    assert beam["text"].startswith(CAPITAL_PROMPT)
+    assert "".join(logprobs["tokens"]) == beam["text"]
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    assert all(value is not None for value in logprobs["token_logprobs"][1:])
+    # The prompt's log-probabilities are the prompt's, however the completion is searched.
+    prompt_tokens = result["usage"]["prompt_tokens"]
+    assert logprobs["tokens"][:prompt_tokens] == sampled["tokens"][:prompt_tokens]
+    for mine, theirs in zip(
+        logprobs["token_logprobs"][1:prompt_tokens],
+        sampled["token_logprobs"][1:prompt_tokens],
+        strict=True,
+    ):
+        assert math.isclose(mine, theirs, abs_tol=1e-3)

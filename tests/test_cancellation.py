@@ -9,10 +9,10 @@ import grpc
 import httpx
 from llmcompletions.v2 import completions_pb2_grpc
 
-from facade.stack import Stack
 from tests.conftest import AUTH_HEADERS, GRPC_AUTH
 from tests.helpers import body, grpc_request
 from tests.metrics import sample
+from tests.processes import TestStack
 
 LONG = {"prompt": "Count to ten thousand:", "max_tokens": 1500, "ignore_eos": True, "stream": True}
 ABORT_WITHIN_SECONDS = 2.0
@@ -38,7 +38,7 @@ def test_grpc_cancel_aborts_the_engine_request(
     assert_engine_drains(metrics_url)
 
 
-def test_rest_disconnect_aborts_the_engine_request(stack: Stack, metrics_url: str) -> None:
+def test_rest_disconnect_aborts_the_engine_request(stack: TestStack, metrics_url: str) -> None:
     with (
         httpx.Client(base_url=stack.base_url, timeout=60, headers=AUTH_HEADERS) as client,
         client.stream("POST", "/v2/completions", json=body(**LONG)) as response,

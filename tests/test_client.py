@@ -9,9 +9,9 @@ import grpc
 import pytest
 from llmcompletions.client import AsyncCompletionClient, CompletionClient
 
-from facade.stack import Stack
 from tests.conftest import API_KEY, MODEL
 from tests.helpers import CAPITAL_PROMPT
+from tests.processes import TestStack
 
 
 def test_generated_modules_ship_with_type_stubs() -> None:
@@ -24,7 +24,7 @@ def test_generated_modules_ship_with_type_stubs() -> None:
     assert completions_pb2.CreateCompletionRequest(model="m").model == "m"
 
 
-def test_sync_client_completes_and_streams(stack: Stack) -> None:
+def test_sync_client_completes_and_streams(stack: TestStack) -> None:
     with CompletionClient(stack.grpc_target, api_key=API_KEY) as client:
         whole = client.complete(model=MODEL, prompt=CAPITAL_PROMPT, max_tokens=6, temperature=0)
         assert whole.choices[0].text.startswith(" Paris")
@@ -40,7 +40,7 @@ def test_sync_client_completes_and_streams(stack: Stack) -> None:
         assert "".join(chunk.choices[0].text for chunk in chunks) == whole.choices[0].text
 
 
-def test_sync_client_deadline_and_errors(stack: Stack) -> None:
+def test_sync_client_deadline_and_errors(stack: TestStack) -> None:
     with CompletionClient(stack.grpc_target, api_key=API_KEY) as client:
         with pytest.raises(grpc.RpcError) as raised:
             client.complete(
@@ -55,7 +55,7 @@ def test_sync_client_deadline_and_errors(stack: Stack) -> None:
     assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
-def test_async_client_completes_and_streams(stack: Stack) -> None:
+def test_async_client_completes_and_streams(stack: TestStack) -> None:
     async def run() -> tuple[str, str]:
         async with AsyncCompletionClient(stack.grpc_target, api_key=API_KEY) as client:
             whole = await client.complete(

@@ -9,8 +9,8 @@ import sys
 import venv
 from pathlib import Path
 
-from facade.stack import Stack
 from tests.conftest import API_KEY, MODEL
+from tests.processes import TestStack
 
 CLIENT_DIR = Path(__file__).resolve().parent.parent / "clients" / "python"
 CALL = """
@@ -24,7 +24,9 @@ print(json.dumps({"text": reply.choices[0].text, "chunks": len(chunks)}))
 """
 
 
-def test_the_client_installs_without_the_engine_and_completes(stack: Stack, tmp_path: Path) -> None:
+def test_the_client_installs_without_the_engine_and_completes(
+    stack: TestStack, tmp_path: Path
+) -> None:
     venv.create(tmp_path / "venv", with_pip=True)
     python = str(tmp_path / "venv" / "bin" / "python")
     subprocess.run(

@@ -14,17 +14,17 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from llmcompletions.v2 import completions_pb2_grpc
 
-from facade.stack import Stack, free_port
 from tests.conftest import ENGINE_START_TIMEOUT, MODEL, SMALL_ENGINE
 from tests.helpers import grpc_request
+from tests.processes import TestStack, free_port
 
 ERROR_WITHIN_SECONDS = 10
 EXIT_WITHIN_SECONDS = 60
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[Stack]:
-    running = Stack(
+def service(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[TestStack]:
+    running = TestStack(
         grpc_port=free_port(),
         service_args=[*SMALL_ENGINE, "--metrics-port", str(free_port())],
         service_log=tmp_path_factory.getbasetemp() / "engine-death-service.log",
@@ -42,7 +42,7 @@ def engine_core(pid: int) -> psutil.Process:
     return next(p for p in children if "EngineCore" in " ".join([p.name(), *p.cmdline()]))
 
 
-def test_engine_death_fails_fast_and_exits_non_zero(service: Stack) -> None:
+def test_engine_death_fails_fast_and_exits_non_zero(service: TestStack) -> None:
     with grpc.insecure_channel(service.grpc_target) as channel:
         stub = completions_pb2_grpc.CompletionServiceStub(channel)
         call = stub.CreateCompletion(

@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from llmcompletions.v2 import completions_pb2_grpc
 from llmcompletions.v2.completions_pb2 import CreateCompletionRequest
 
-from facade.stack import Stack
 from tests.conftest import AUTH_HEADERS, GRPC_AUTH, MODEL
 from tests.helpers import CAPITAL_PROMPT, complete
 from tests.metrics import sample
+from tests.processes import TestStack
 
 FUZZ_EXAMPLES = 150
 FUZZ_SETTINGS = settings(
@@ -154,7 +154,7 @@ def check_grpc_error(error: grpc.RpcError) -> None:
     assert size <= MAX_ERROR_METADATA_BYTES, (error.code(), size)
 
 
-def test_rest_survives_hostile_bodies(stack: Stack) -> None:
+def test_rest_survives_hostile_bodies(stack: TestStack) -> None:
     with httpx.Client(base_url=stack.base_url, headers=AUTH_HEADERS, timeout=120) as client:
 
         @FUZZ_SETTINGS
@@ -187,7 +187,7 @@ def grpc_message(body: dict[str, Any]) -> CreateCompletionRequest | None:
         return None
 
 
-def test_grpc_survives_hostile_requests(stack: Stack) -> None:
+def test_grpc_survives_hostile_requests(stack: TestStack) -> None:
     with grpc.insecure_channel(stack.grpc_target) as channel:
         stub = completions_pb2_grpc.CompletionServiceStub(channel)
 

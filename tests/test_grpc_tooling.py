@@ -11,22 +11,22 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from facade.stack import Stack
 from tests.conftest import API_KEY, MODEL
 from tests.helpers import CAPITAL_PROMPT
+from tests.processes import TestStack
 
 GRPCURL = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl")
 
 
 def grpcurl(
-    stack: Stack, *command: str, options: tuple[str, ...] = ()
+    stack: TestStack, *command: str, options: tuple[str, ...] = ()
 ) -> subprocess.CompletedProcess[str]:
     """`grpcurl -plaintext [options] ADDRESS command...`"""
     full = [GRPCURL, "-plaintext", *options, stack.grpc_target, *command]
     return subprocess.run(full, capture_output=True, text=True, timeout=120)
 
 
-def test_grpcurl_lists_services_without_a_key(stack: Stack) -> None:
+def test_grpcurl_lists_services_without_a_key(stack: TestStack) -> None:
     listed = grpcurl(stack, "list")
     assert listed.returncode == 0, listed.stderr
     assert set(listed.stdout.split()) >= {
@@ -35,7 +35,7 @@ def test_grpcurl_lists_services_without_a_key(stack: Stack) -> None:
     }
 
 
-def test_grpcurl_describes_the_method_and_request(stack: Stack) -> None:
+def test_grpcurl_describes_the_method_and_request(stack: TestStack) -> None:
     method = grpcurl(stack, "describe", "llmcompletions.v2.CompletionService")
     assert method.returncode == 0, method.stderr
     assert "returns ( stream .llmcompletions.v2.CreateCompletionResponse )" in method.stdout
@@ -44,7 +44,7 @@ def test_grpcurl_describes_the_method_and_request(stack: Stack) -> None:
     assert "optional double temperature" in request.stdout
 
 
-def test_grpcurl_streams_a_completion(stack: Stack) -> None:
+def test_grpcurl_streams_a_completion(stack: TestStack) -> None:
     payload = json.dumps(
         {
             "model": MODEL,
@@ -67,7 +67,7 @@ def test_grpcurl_streams_a_completion(stack: Stack) -> None:
     assert "".join(m["choices"][0]["text"] for m in messages).startswith(" Paris")
 
 
-def test_grpcurl_without_a_key_is_unauthenticated(stack: Stack) -> None:
+def test_grpcurl_without_a_key_is_unauthenticated(stack: TestStack) -> None:
     payload = json.dumps({"model": MODEL, "prompt": CAPITAL_PROMPT})
     called = grpcurl(
         stack, "llmcompletions.v2.CompletionService/CreateCompletion", options=("-d", payload)
@@ -76,7 +76,7 @@ def test_grpcurl_without_a_key_is_unauthenticated(stack: Stack) -> None:
     assert "Unauthenticated" in called.stderr
 
 
-def test_health_reports_serving_without_a_key(stack: Stack) -> None:
+def test_health_reports_serving_without_a_key(stack: TestStack) -> None:
     with grpc.insecure_channel(stack.grpc_target) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         for service in ("", "llmcompletions.v2.CompletionService"):

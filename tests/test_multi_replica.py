@@ -19,10 +19,10 @@ import httpx
 import psutil
 import pytest
 
-from facade.stack import Stack, free_port
 from tests.conftest import ENGINE_START_TIMEOUT, SMALL_ENGINE
 from tests.helpers import body
 from tests.metrics import sample
+from tests.processes import TestStack, free_port
 
 OK = {"method": "CreateCompletion", "code": "OK"}
 # Longer than Envoy's health-check interval plus timeout (2 s + 1 s): it stops routing first.
@@ -33,13 +33,13 @@ DRAIN_DELAY = 5
 class Replica:
     """One service replica, restartable."""
 
-    stack: Stack
+    stack: TestStack
     metrics_port: int
 
     @classmethod
     def new(cls, log: Path) -> Replica:
         metrics_port = free_port()
-        stack = Stack(
+        stack = TestStack(
             grpc_port=free_port(),
             service_args=[
                 *SMALL_ENGINE,

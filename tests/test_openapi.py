@@ -10,13 +10,13 @@ import jsonschema
 import referencing
 from llmcompletions.v2.completions_pb2 import CreateCompletionRequest, CreateCompletionResponse
 
-from facade.stack import Stack
 from tests.helpers import CAPITAL_PROMPT, complete, stream_chunks
+from tests.processes import TestStack
 
 DOCUMENT = Path(__file__).resolve().parent.parent / "facade/openapi.json"
 
 
-def test_envoy_serves_the_document(stack: Stack) -> None:
+def test_envoy_serves_the_document(stack: TestStack) -> None:
     response = httpx.get(f"{stack.base_url}/openapi.json", timeout=10)
     assert response.status_code == 200
     assert response.headers["content-type"] == "application/json"

@@ -9,12 +9,12 @@ import uuid
 import httpx
 from llmcompletions.v2 import completions_pb2_grpc
 
-from facade.stack import Stack
 from tests.conftest import GRPC_AUTH
 from tests.helpers import CAPITAL_PROMPT, body, grpc_request
+from tests.processes import TestStack
 
 
-def logged_line(stack: Stack, request_id: str) -> str:
+def logged_line(stack: TestStack, request_id: str) -> str:
     assert stack.service_log is not None
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
@@ -25,7 +25,7 @@ def logged_line(stack: Stack, request_id: str) -> str:
     raise AssertionError(f"no log line for request {request_id}")
 
 
-def test_rest_request_id_round_trip(stack: Stack, rest: httpx.Client) -> None:
+def test_rest_request_id_round_trip(stack: TestStack, rest: httpx.Client) -> None:
     request_id = f"test-{uuid.uuid4()}"
     for stream in (False, True):
         response = rest.post(
@@ -55,7 +55,7 @@ def test_rest_error_carries_the_request_id(rest: httpx.Client) -> None:
 
 
 def test_grpc_request_id_round_trip(
-    stack: Stack, grpc_stub: completions_pb2_grpc.CompletionServiceStub
+    stack: TestStack, grpc_stub: completions_pb2_grpc.CompletionServiceStub
 ) -> None:
     request_id = f"grpc-{uuid.uuid4()}"
     call = grpc_stub.CreateCompletion(

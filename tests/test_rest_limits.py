@@ -16,9 +16,9 @@ from llmcompletions.client import CompletionClient
 from llmcompletions.v2 import completions_pb2_grpc
 
 from facade.launch import DEFAULT_MAX_REQUEST_BYTES
-from facade.stack import Stack, free_port
 from tests.conftest import API_KEY, AUTH_HEADERS, GRPC_AUTH, MODEL
 from tests.helpers import body, grpc_request, post
+from tests.processes import TestStack, free_port
 
 # A token that decodes to 80 characters: echoing a prompt of it makes a large reply cheaply.
 WIDE_TOKEN = 45855
@@ -44,7 +44,7 @@ class DebugEnvoy:
 
 
 @pytest.fixture(scope="module")
-def debug_envoy(stack: Stack) -> Iterator[DebugEnvoy]:
+def debug_envoy(stack: TestStack) -> Iterator[DebugEnvoy]:
     http_port, admin_port = free_port(), free_port()
     command = [
         *(sys.executable, "-m", "facade.launch", "--upstream", stack.grpc_target),
@@ -52,7 +52,7 @@ def debug_envoy(stack: Stack) -> Iterator[DebugEnvoy]:
         *("--max-reply-bytes", str(SMALL_REPLY_LIMIT), "--debug-headers"),
     ]
     envoy = subprocess.Popen(command)
-    probe = Stack(grpc_port=stack.grpc_port, admin_port=admin_port, processes=[envoy])
+    probe = TestStack(grpc_port=stack.grpc_port, admin_port=admin_port, processes=[envoy])
     try:
         probe.wait_until(probe.envoy_ready, timeout=60)
         yield DebugEnvoy(f"http://127.0.0.1:{http_port}", f"http://127.0.0.1:{admin_port}")
@@ -93,7 +93,9 @@ def test_a_reply_over_the_facade_limit_is_a_clear_error_and_streams_fine(
         assert texts == WIDE_TOKEN_TEXT * 500 * 8
 
 
-def test_the_same_large_reply_reaches_the_typed_grpc_client_as_one_message(stack: Stack) -> None:
+def test_the_same_large_reply_reaches_the_typed_grpc_client_as_one_message(
+    stack: TestStack,
+) -> None:
     with CompletionClient(stack.grpc_target, api_key=API_KEY) as client:
         reply = client.complete(**wide_echo(1000, 64))
     assert reply.ByteSize() > DEFAULT_MAX_REQUEST_BYTES
@@ -178,7 +180,7 @@ def test_default_rest_replies_carry_no_internal_headers(rest: httpx.Client) -> N
 
 
 def test_debug_headers_name_the_replica_when_the_operator_asks(
-    stack: Stack, debug_envoy: DebugEnvoy
+    stack: TestStack, debug_envoy: DebugEnvoy
 ) -> None:
     with httpx.Client(base_url=debug_envoy.base_url, headers=AUTH_HEADERS, timeout=60) as client:
         response = post(client, body(prompt="Hi", max_tokens=1))

@@ -23,9 +23,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from llmcompletions.v2 import completions_pb2_grpc
 
-from facade.stack import Stack, free_port
 from tests.conftest import ENGINE_START_TIMEOUT, SMALL_ENGINE
 from tests.helpers import grpc_complete, grpc_request
+from tests.processes import TestStack, free_port
 
 BOS_ID = 0
 BOS_MODEL = "smollm2-with-bos"
@@ -92,7 +92,7 @@ def service(
     model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LifecycleService]:
     variant = with_bos_tokenizer(model_dir, tmp_path_factory.mktemp("bos") / "model")
-    running = Stack(
+    running = TestStack(
         grpc_port=free_port(),
         service_args=[
             *SMALL_ENGINE,

@@ -11,11 +11,11 @@ import time
 import httpx
 import psutil
 
-from facade.stack import Stack
 from service.admission import RETRY_AFTER_SECONDS
 from tests.conftest import AUTH_HEADERS, MAX_IN_FLIGHT, MAX_WAITING
 from tests.helpers import body
 from tests.metrics import sample
+from tests.processes import TestStack
 
 REQUESTS = 320
 CONCURRENCY = 40  # above MAX_IN_FLIGHT + MAX_WAITING, so some requests are refused at first
@@ -65,7 +65,7 @@ async def one_request(client: httpx.AsyncClient, kind: str) -> str:
         return "ok"
 
 
-async def soak(stack: Stack, refusals: list[int]) -> collections.Counter[tuple[str, str]]:
+async def soak(stack: TestStack, refusals: list[int]) -> collections.Counter[tuple[str, str]]:
     limits = httpx.Limits(max_connections=CONCURRENCY)
     async with httpx.AsyncClient(
         base_url=stack.base_url, headers=AUTH_HEADERS, timeout=300, limits=limits
@@ -80,7 +80,7 @@ async def soak(stack: Stack, refusals: list[int]) -> collections.Counter[tuple[s
         return collections.Counter(await asyncio.gather(*(run(i) for i in range(REQUESTS))))
 
 
-def test_soak_accounts_for_every_request(stack: Stack, metrics_url: str) -> None:
+def test_soak_accounts_for_every_request(stack: TestStack, metrics_url: str) -> None:
     service_pid = stack.processes[0].pid
     rss_before = tree_rss(service_pid)
     started = time.monotonic()

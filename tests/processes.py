@@ -1,0 +1,42 @@
+"""The test and benchmark harness over facade.stack: stacks on free ports, with the service's
+output in a log file, another module or checkout as the service, and readiness of the
+service alone."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from facade.stack import Stack, StackError
+
+__all__ = ["StackError", "TestStack", "free_port"]
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class TestStack(Stack):
+    service_log: Path | None = None  # the service's output goes here instead of the terminal
+    source: Path | None = None  # run the code of this checkout (e.g. an older one) instead
+
+    __test__ = False  # a harness, not a test class
+
+    def service_popen_options(self) -> dict[str, Any]:
+        log = self.service_log.open("ab") if self.service_log else None
+        return {
+            "stdout": log,
+            "stderr": subprocess.STDOUT if log else None,
+            "cwd": self.source,  # `python -m` imports from the working directory first
+        }
+
+    def wait_ready_service(self, timeout: float) -> None:
+        """Block until the service reports SERVING (for a stack without Envoy)."""
+        self.wait_until(self.service_serving, timeout)
