@@ -46,7 +46,7 @@ from service.sampling import (
     sampling_params,
 )
 from service.settings import RequestLimits
-from service.validation import validate_request
+from service.validation import check_prompt_tokens, validate_request
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class CompletionHandler:
             request, self.model.vocab_size, self.model.structured_outputs_backend, self.limits
         )
         if request.model != self.model.name:
-            raise ModelNotFoundError(request.model, self.model.name)
+            raise ModelNotFoundError(request.model, [self.model.name])
         add_special_tokens = (
             request.add_special_tokens if request.HasField("add_special_tokens") else True
         )
@@ -185,20 +185,6 @@ class CompletionHandler:
     ) -> AsyncIterator[RequestOutput]:
         yield await beam_search(
             self.model.engine, self.model.tokenizer, prompt_ids, request_id, settings
-        )
-
-
-def check_prompt_tokens(prompts: Sequence[PreparedPrompt], limit: int) -> None:
-    total = sum(len(prompt.token_ids) for prompt in prompts)
-    if total > limit:
-        raise RequestValidationError(
-            [
-                FieldViolation(
-                    ("prompt",),
-                    f"the prompts hold {total} tokens; at most {limit} are allowed per request",
-                    "too_long",
-                )
-            ]
         )
 
 

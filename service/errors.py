@@ -19,6 +19,8 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 # A value quoted from the request shows at most this many characters.
 MAX_QUOTED_CHARS = 256
+# A not-found message names at most this many served models (GET /v2/models lists them all).
+MAX_LISTED_NAMES = 8
 # Byte budgets (UTF-8) of what travels in metadata; gRPC percent-encodes the message.
 MAX_MESSAGE_BYTES = 384
 MAX_VIOLATION_BYTES = 320
@@ -130,9 +132,13 @@ class RequestValidationError(CompletionError):
 class ModelNotFoundError(CompletionError):
     grpc_code = grpc.StatusCode.NOT_FOUND
 
-    def __init__(self, requested: str, served: str) -> None:
+    def __init__(self, requested: str, served: Sequence[str]) -> None:
+        shown = ", ".join(quote(name) for name in served[:MAX_LISTED_NAMES])
+        more = (
+            f" and {len(served) - MAX_LISTED_NAMES} more" if len(served) > MAX_LISTED_NAMES else ""
+        )
         super().__init__(
-            f"The model {quote(requested)} does not exist; this server serves {quote(served)}."
+            f"The model {quote(requested)} does not exist; this server serves {shown}{more}."
         )
 
 

@@ -17,15 +17,26 @@ from service.completions import CompletionHandler
 from service.engine import ServedModel, start_engine
 from service.error_mapping import ErrorMappingInterceptor
 from service.interception import StreamInterceptor
+from service.model_catalog import ModelCatalog
 from service.observability import serve_metrics, watch_engine_gauges
 from service.request_context import RequestContextInterceptor
-from service.servicer import CompletionServicer
+from service.servicer import CompletionServicer, Serving
 from service.settings import EngineSettings, ServerSettings
+from service.tokenization import Tokenization
 
 logger = logging.getLogger(__name__)
 
-COMPLETION_SERVICE = completions_pb2.DESCRIPTOR.services_by_name["CompletionService"].full_name
-COMPLETION_METHOD = f"/{COMPLETION_SERVICE}/CreateCompletion"
+SERVICE_DESCRIPTOR = completions_pb2.DESCRIPTOR.services_by_name["CompletionService"]
+COMPLETION_SERVICE = SERVICE_DESCRIPTOR.full_name
+
+
+def method_names(*names: str) -> frozenset[str]:
+    return frozenset(f"/{COMPLETION_SERVICE}/{name}" for name in names)
+
+
+ALL_METHODS = method_names(*(method.name for method in SERVICE_DESCRIPTOR.methods))
+# Describing the models is cheap and must answer even when the server is at capacity.
+ADMITTED_METHODS = method_names("CreateCompletion", "Tokenize", "Detokenize")
 ENGINE_CHECK_SECONDS = 1.0
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -35,19 +46,20 @@ class ServiceState:
     """What the servicer sees of the engine: nothing until it is ready."""
 
     def __init__(self) -> None:
-        self.handler: CompletionHandler | None = None
+        self.serving: Serving | None = None
 
 
 def interceptor_chain(settings: ServerSettings) -> list[StreamInterceptor]:
     """Outermost first: request context -> authentication -> admission -> error mapping."""
-    methods = frozenset({COMPLETION_METHOD})
-    chain: list[StreamInterceptor] = [RequestContextInterceptor(methods, settings.log_prompts)]
+    chain: list[StreamInterceptor] = [RequestContextInterceptor(ALL_METHODS, settings.log_prompts)]
     if settings.api_key:
-        chain.append(ApiKeyInterceptor(methods, settings.api_key))
+        chain.append(ApiKeyInterceptor(ALL_METHODS, settings.api_key))
     chain.append(
-        AdmissionInterceptor(methods, Admission(settings.max_in_flight, settings.max_waiting))
+        AdmissionInterceptor(
+            ADMITTED_METHODS, Admission(settings.max_in_flight, settings.max_waiting)
+        )
     )
-    chain.append(ErrorMappingInterceptor(methods, settings.max_message_bytes))
+    chain.append(ErrorMappingInterceptor(ALL_METHODS, settings.max_message_bytes))
     return chain
 
 
@@ -62,7 +74,7 @@ def build_server(
         ],
     )
     completions_pb2_grpc.add_CompletionServiceServicer_to_server(
-        CompletionServicer(lambda: state.handler), server
+        CompletionServicer(lambda: state.serving), server
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -75,6 +87,13 @@ def build_server(
             f"cannot listen on {address}: is the port in use? Pick another with --port"
         )
     return server, health_servicer
+
+
+def serving(model: ServedModel, settings: ServerSettings) -> Serving:
+    completions = CompletionHandler(model, settings.limits)
+    catalog = ModelCatalog(model)
+    tokenization = Tokenization(model, catalog, settings.limits, completions.tokenizing)
+    return Serving(completions, catalog, tokenization)
 
 
 async def set_health(health_servicer: health.aio.HealthServicer, status: int) -> None:
@@ -111,13 +130,13 @@ async def serve(server_settings: ServerSettings, engine_settings: EngineSettings
             logger.exception("the engine failed to start; check --model and the engine arguments")
             exit_code = 1
     if model is not None:
-        state.handler = CompletionHandler(model, server_settings.limits)
+        state.serving = serving(model, server_settings)
         watch_engine_gauges(model.engine)
         await set_health(health_servicer, SERVING)
         logger.info("serving model %s", model.name)
         if await until_stopped_or_engine_dead(model, stopping):
             logger.error("the engine died: refusing new requests and exiting for a restart")
-            state.handler = None
+            state.serving = None
             exit_code = 1
 
     logger.info("shutting down: draining for up to %.0fs", server_settings.shutdown_grace_seconds)

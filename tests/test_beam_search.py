@@ -99,3 +99,11 @@ def test_beam_search_echo_scores_every_prompt_token_but_the_first(rest: httpx.Cl
         strict=True,
     ):
         assert math.isclose(mine, theirs, abs_tol=1e-3)
+
+
+def test_the_widest_beam_search_the_api_allows_runs(rest: httpx.Client) -> None:
+    # Width 20 asks the engine for 40 log-probabilities per step, over vLLM's default cap.
+    beams = complete(
+        rest, prompt="Fruit:", use_beam_search=True, n=2, best_of=20, max_tokens=2, ignore_eos=True
+    )["choices"]
+    assert len(beams) == 2 and beams[0]["text"] != beams[1]["text"]
