@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from google.protobuf import struct_pb2
 from llmcompletions.v2.completions_pb2 import (
@@ -38,28 +39,27 @@ class ModelCatalog:
         return ListModelsResponse(object="list", data=[self.entry(name) for name in self.names()])
 
     def entry(self, name: str) -> Model:
-        return Model(
-            id=name,
-            object="model",
-            created=self.created,
-            owned_by=OWNED_BY,
-            parent=NO_PARENT,
-            max_model_len=self.model.max_model_len,
-        )
+        return Model(**self.described(name))
 
     def info(self, name: str) -> GetModelInfoResponse:
         self.check_served(name)
         defaults = struct_pb2.Struct()
         defaults.update(self.model.default_sampling)
         return GetModelInfoResponse(
-            id=name,
-            object="model",
-            created=self.created,
-            owned_by=OWNED_BY,
-            parent=NO_PARENT,
-            max_model_len=self.model.max_model_len,
+            **self.described(name),
             vocab_size=self.model.vocab_size,
             eos_token_ids=self.model.eos_token_ids,
             structured_outputs_backend=self.model.structured_outputs_backend,
             default_sampling=defaults,
         )
+
+    def described(self, name: str) -> dict[str, Any]:
+        """The fields a list entry and the model information share (the OpenAI shape)."""
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": OWNED_BY,
+            "parent": NO_PARENT,
+            "max_model_len": self.model.max_model_len,
+        }
