@@ -7,11 +7,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import uvloop
 
@@ -273,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run_serve(args: argparse.Namespace) -> int:
+def run_serve(args: argparse.Namespace) -> NoReturn:
     from service.server import serve
     from service.settings import EngineSettings, ServerSettings
 
@@ -314,9 +315,21 @@ def run_serve(args: argparse.Namespace) -> int:
         ),
         fault_injection=args.enable_fault_injection,
     )
-    if args.event_loop == "uvloop":
-        return uvloop.run(serve(server_settings, engine_settings))
-    return asyncio.run(serve(server_settings, engine_settings))
+    loop = uvloop.new_event_loop() if args.event_loop == "uvloop" else asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    exit_now(loop.run_until_complete(serve(server_settings, engine_settings)))
+
+
+def exit_now(code: int) -> NoReturn:
+    """End the process as soon as the server has stopped. By then its calls have ended, the
+    engine's processes are gone and the ports are closed; what a normal exit would still do is
+    tear down the event loop (cancelling gRPC's leftover internal tasks, which logs spurious
+    errors) and the interpreter (freeing the model, torch's exit hooks): 3-7 s measured here,
+    during which the process and its metrics port stay up."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run_prepare_model(_: argparse.Namespace) -> int:
