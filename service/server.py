@@ -25,9 +25,6 @@ logger = logging.getLogger(__name__)
 COMPLETION_SERVICE = completions_pb2.DESCRIPTOR.services_by_name["CompletionService"].full_name
 COMPLETION_METHOD = f"/{COMPLETION_SERVICE}/CreateCompletion"
 ENGINE_CHECK_SECONDS = 1.0
-# Once its requests are done, the engine gets this long to exit before its processes are
-# killed: vLLM's own default (5 s) is spent waiting for its worker process to tear down.
-ENGINE_STOP_SECONDS = 1.0
 # A drain takes the completion calls in flight as finished once none has run for this long,
 # so that a call the server accepted just before closing its listener is counted too.
 QUIET_SECONDS = 0.1
@@ -174,7 +171,7 @@ async def serve(server_settings: ServerSettings, engine_settings: EngineSettings
         await asyncio.sleep(server_settings.drain_delay_seconds)
     await drain(server, calls, server_settings.shutdown_grace_seconds)
     if model is not None:
-        model.engine.shutdown(timeout=ENGINE_STOP_SECONDS)
+        model.engine.shutdown(timeout=server_settings.engine_stop_seconds)
     logger.info("stopped")
     return exit_code
 
