@@ -266,7 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--shutdown-grace",
         "SHUTDOWN_GRACE_SECONDS",
         30.0,
-        "seconds in-flight requests get to finish on SIGTERM",
+        "on SIGTERM, how long the requests in flight may still run once the listener has "
+        "closed: the drain ends as soon as they finish; any still running then are cancelled",
         float,
     )
     add_engine_options(serve)
