@@ -109,7 +109,11 @@ def build_server(
         [COMPLETION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
     address = f"{settings.host}:{settings.port}"
-    if server.add_insecure_port(address) == 0:
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError:  # what grpc raises when the port is taken
+        bound = 0
+    if bound == 0:
         raise SystemExit(
             f"cannot listen on {address}: is the port in use? Pick another with --port"
         )
