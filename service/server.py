@@ -182,9 +182,9 @@ async def serve(server_settings: ServerSettings, engine_settings: EngineSettings
 
 async def drain(server: grpc.aio.Server, calls: CallTracker, grace: float) -> None:
     """Close the listener, let the completion calls in flight finish (for up to `grace`
-    seconds), then end the rest at once. grpc's own stop(grace) also waits for every
-    connection to close (an idle HTTP/2 connection from a proxy or client that stays open,
-    a health Watch stream), which can take the whole grace period when nothing is in flight."""
+    seconds), then end the rest at once. grpc's own stop(grace) also waits for every other
+    call and connection to end: a health Watch stream held it for the whole grace period, a
+    client connection that stays silent (never answers the server's GOAWAY ping) for 20 s."""
     loop = asyncio.get_running_loop()
     closed_at = loop.time()
     logger.info("closing the listener; %d requests in flight", len(calls.tasks))
@@ -203,7 +203,7 @@ async def drain(server: grpc.aio.Server, calls: CallTracker, grace: float) -> No
             "grace period (%.0fs) over: cancelling %d requests in flight", grace, len(calls.tasks)
         )
     await server.stop(None)  # ends what is left: idle connections, Watch streams
-    await calls.cancel(CANCEL_WAIT_SECONDS)  # only if the grace period ran out
+    await calls.cancel(CANCEL_WAIT_SECONDS)  # none are left unless the grace period ran out
     await stopping
 
 
