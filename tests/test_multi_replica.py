@@ -472,8 +472,8 @@ def test_a_drain_lasts_as_long_as_its_longest_request(cluster: Cluster) -> None:
     assert closed - signalled == pytest.approx(DRAIN_DELAY, abs=0.5)
     assert stream_ended > closed, "the long stream should still run when the listener closes"
     # The drain ends with its last request (plus stopping the engine), not the grace period.
-    assert stopped - stream_ended <= ServerSettings.engine_stop_seconds + 1.0
-    assert exited - stopped <= 1.0
+    assert stopped - stream_ended <= ServerSettings.engine_stop_seconds + 2.0
+    assert exited - stopped <= 1.5
     assert not left_behind(engine, timeout=3), "the engine's processes outlived the server"
     assert cluster.traffic.failures(since=signalled - 1, until=exited + 1) == []
 
