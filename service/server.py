@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -38,8 +39,50 @@ ALL_METHODS = method_names(*(method.name for method in SERVICE_DESCRIPTOR.method
 # Describing the models is cheap and must answer even when the server is at capacity.
 ADMITTED_METHODS = method_names("CreateCompletion", "Tokenize", "Detokenize")
 ENGINE_CHECK_SECONDS = 1.0
+# A drain takes the completion calls in flight as finished once none has run for this long,
+# so that a call the server accepted just before closing its listener is counted too.
+QUIET_SECONDS = 0.1
+# Calls cancelled when the grace period runs out get this long to end (and abort their
+# engine requests) before the engine stops.
+CANCEL_WAIT_SECONDS = 2.0
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class CallTracker(grpc.aio.ServerInterceptor):
+    """Knows which calls of `methods` are being served (the asyncio task serving each), so
+    that a drain can wait for them alone, and cancel them if the grace period runs out."""
+
+    def __init__(self, methods: frozenset[str]) -> None:
+        self._methods = methods
+        self.tasks: set[asyncio.Task[object]] = set()
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        # gRPC runs interceptors inside the task that then serves the call.
+        task = asyncio.current_task()
+        if handler_call_details.method in self._methods and task is not None:
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+        return await continuation(handler_call_details)
+
+    async def wait_until_quiet(self) -> None:
+        """Until no call has been in flight for QUIET_SECONDS."""
+        while True:
+            if self.tasks:
+                await asyncio.wait(set(self.tasks))
+            await asyncio.sleep(QUIET_SECONDS)
+            if not self.tasks:
+                return
+
+    async def cancel(self, timeout: float) -> None:
+        for task in self.tasks:
+            task.cancel()
+        if self.tasks:
+            await asyncio.wait(set(self.tasks), timeout=timeout)
 
 
 class ServiceState:
@@ -64,13 +107,16 @@ def interceptor_chain(settings: ServerSettings) -> list[StreamInterceptor]:
 
 
 def build_server(
-    settings: ServerSettings, state: ServiceState
+    settings: ServerSettings, state: ServiceState, calls: CallTracker
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     server = grpc.aio.server(
-        interceptors=interceptor_chain(settings),
+        interceptors=[calls, *interceptor_chain(settings)],
         options=[
             ("grpc.max_receive_message_length", settings.max_message_bytes),
             ("grpc.max_send_message_length", settings.max_message_bytes),
+            # A second server on the same port fails to start instead of sharing it, e.g. a
+            # replica restarted while the old process still drains.
+            ("grpc.so_reuseport", 0),
         ],
     )
     completions_pb2_grpc.add_CompletionServiceServicer_to_server(
@@ -82,7 +128,11 @@ def build_server(
         [COMPLETION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
     address = f"{settings.host}:{settings.port}"
-    if server.add_insecure_port(address) == 0:
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError:  # what grpc raises when the port is taken
+        bound = 0
+    if bound == 0:
         raise SystemExit(
             f"cannot listen on {address}: is the port in use? Pick another with --port"
         )
@@ -104,7 +154,8 @@ async def set_health(health_servicer: health.aio.HealthServicer, status: int) ->
 async def serve(server_settings: ServerSettings, engine_settings: EngineSettings) -> int:
     """Run until SIGINT or SIGTERM; return the process exit code."""
     state = ServiceState()
-    server, health_servicer = build_server(server_settings, state)
+    calls = CallTracker(ADMITTED_METHODS)
+    server, health_servicer = build_server(server_settings, state, calls)
     if server_settings.metrics_port is not None:
         serve_metrics(server_settings.metrics_host, server_settings.metrics_port)
     await server.start()
@@ -139,16 +190,47 @@ async def serve(server_settings: ServerSettings, engine_settings: EngineSettings
             state.serving = None
             exit_code = 1
 
-    logger.info("shutting down: draining for up to %.0fs", server_settings.shutdown_grace_seconds)
+    logger.info(
+        "shutting down: draining for up to %.0fs (%d requests in flight)",
+        server_settings.shutdown_grace_seconds,
+        len(calls.tasks),
+    )
     await set_health(health_servicer, NOT_SERVING)
     if exit_code == 0 and server_settings.drain_delay_seconds > 0:
         # Keep serving while load balancers' health checks see NOT_SERVING and stop sending.
         await asyncio.sleep(server_settings.drain_delay_seconds)
-    await server.stop(server_settings.shutdown_grace_seconds)
+    await drain(server, calls, server_settings.shutdown_grace_seconds)
     if model is not None:
-        model.engine.shutdown()
+        model.engine.shutdown(timeout=server_settings.engine_stop_seconds)
     logger.info("stopped")
     return exit_code
+
+
+async def drain(server: grpc.aio.Server, calls: CallTracker, grace: float) -> None:
+    """Close the listener, let the completion calls in flight finish (for up to `grace`
+    seconds), then end the rest at once. grpc's own stop(grace) also waits for every other
+    call and connection to end: a health Watch stream held it for the whole grace period, a
+    client connection that stays silent (never answers the server's GOAWAY ping) for 20 s."""
+    loop = asyncio.get_running_loop()
+    closed_at = loop.time()
+    logger.info("closing the listener; %d requests in flight", len(calls.tasks))
+    stopping = asyncio.ensure_future(server.stop(grace))
+    quiet = asyncio.ensure_future(calls.wait_until_quiet())
+    done, _ = await asyncio.wait(
+        {stopping, quiet}, timeout=grace, return_when=asyncio.FIRST_COMPLETED
+    )
+    quiet.cancel()
+    if done:
+        logger.info(
+            "requests in flight finished %.1fs after the listener closed", loop.time() - closed_at
+        )
+    else:
+        logger.warning(
+            "grace period (%.0fs) over: cancelling %d requests in flight", grace, len(calls.tasks)
+        )
+    await server.stop(None)  # ends what is left: idle connections, Watch streams
+    await calls.cancel(CANCEL_WAIT_SECONDS)  # none are left unless the grace period ran out
+    await stopping
 
 
 async def until_stopped_or_engine_dead(model: ServedModel, stopping: asyncio.Future) -> bool:
