@@ -77,8 +77,12 @@ class Stack:
             self.processes.append(subprocess.Popen(self.envoy_command(), env=env))
 
     def wait_ready(self, timeout: float) -> None:
-        """Block until the service reports SERVING and Envoy is live."""
-        self.wait_until(lambda: self.service_serving() and self.envoy_ready(), timeout)
+        """Block until the service reports SERVING and Envoy routes to it: Envoy sends no
+        request to a replica before its own health check has seen it SERVING."""
+        self.wait_until(
+            lambda: self.service_serving() and self.envoy_ready() and self.upstream_healthy(),
+            timeout,
+        )
 
     def wait_until(self, ready: Callable[[], bool], timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -111,6 +115,17 @@ class Stack:
                 return reply.status == 200
         except OSError:
             return False
+
+    def upstream_healthy(self) -> bool:
+        """Envoy's health check has seen the service SERVING."""
+        try:
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{self.admin_port}/clusters", timeout=2
+            ) as reply:
+                text = reply.read().decode()
+        except OSError:
+            return False
+        return f"::{self.grpc_target}::health_flags::healthy" in text
 
     def stop(self) -> None:
         for process in self.processes:

@@ -4,6 +4,7 @@ a clear error, and no engine work is left running."""
 from __future__ import annotations
 
 import json
+import time
 
 import grpc
 import httpx
@@ -30,6 +31,11 @@ def test_grpc_deadline_aborts_the_engine_request_and_is_recorded_as_expired(
         list(grpc_stub.CreateCompletion(grpc_request(**LONG), timeout=1.0, metadata=GRPC_AUTH))
     assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert_engine_drains(metrics_url)
+    # The server records the call once its cancellation has run, a moment after the client's.
+    deadline = time.monotonic() + 10
+    while sample(metrics_url, "llmcompletions_requests_total", **expired) < before + 1:
+        assert time.monotonic() < deadline, "the expired call was not recorded as expired"
+        time.sleep(0.2)
     assert sample(metrics_url, "llmcompletions_requests_total", **expired) == before + 1
 
 

@@ -103,8 +103,9 @@ def service(
             "--metrics-port",
             str(free_port()),
             "--log-prompts",
+            # The drain ends when the stream in flight ends; the grace only bounds a stuck one.
             "--shutdown-grace",
-            "10",
+            "60",
         ],
         env={"LOG_FORMAT": "json"},
         service_log=tmp_path_factory.getbasetemp() / "lifecycle-service.log",
