@@ -23,6 +23,8 @@ MAX_QUOTED_CHARS = 256
 MAX_MESSAGE_BYTES = 384
 MAX_VIOLATION_BYTES = 320
 MAX_VIOLATIONS_BYTES = 768
+# The served model names an unknown-model error lists (the rest are counted).
+MAX_SERVED_NAMES_BYTES = 192
 ELLIPSIS = "…"
 
 Loc = tuple[str | int, ...]
@@ -127,12 +129,28 @@ class RequestValidationError(CompletionError):
         return [packed]
 
 
+def quoted_list(values: Sequence[str], max_bytes: int) -> str:
+    """The values quoted and comma-separated, as many as fit `max_bytes` (at least one), then
+    how many more there are."""
+    shown: list[str] = []
+    spent = 0
+    for value in values:
+        quoted = quote(value)
+        spent += len(quoted.encode()) + 2
+        if shown and spent > max_bytes:
+            break
+        shown.append(quoted)
+    omitted = len(values) - len(shown)
+    return ", ".join(shown) + (f" and {omitted} more" if omitted else "")
+
+
 class ModelNotFoundError(CompletionError):
     grpc_code = grpc.StatusCode.NOT_FOUND
 
-    def __init__(self, requested: str, served: str) -> None:
+    def __init__(self, requested: str, served: Sequence[str]) -> None:
         super().__init__(
-            f"The model {quote(requested)} does not exist; this server serves {quote(served)}."
+            f"The model {quote(requested)} does not exist; this server serves "
+            f"{quoted_list(served, MAX_SERVED_NAMES_BYTES)}."
         )
 
 

@@ -11,6 +11,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from llmcompletions.v2 import completions_pb2, completions_pb2_grpc
 
+from service.adapters import AdapterError, load_adapters
 from service.admission import Admission, AdmissionInterceptor
 from service.auth import ApiKeyInterceptor
 from service.completions import CompletionHandler
@@ -110,7 +111,9 @@ async def serve(server_settings: ServerSettings, engine_settings: EngineSettings
         except Exception:
             logger.exception("the engine failed to start; check --model and the engine arguments")
             exit_code = 1
-    if model is not None:
+    if model is not None and not await adapters_loaded(model):
+        exit_code = 1
+    if model is not None and exit_code == 0:
         state.handler = CompletionHandler(model, server_settings.limits)
         watch_engine_gauges(model.engine)
         await set_health(health_servicer, SERVING)
@@ -130,6 +133,16 @@ async def serve(server_settings: ServerSettings, engine_settings: EngineSettings
         model.engine.shutdown()
     logger.info("stopped")
     return exit_code
+
+
+async def adapters_loaded(model: ServedModel) -> bool:
+    """Load the adapters into the engine; False (and a one-line error) if one fails."""
+    try:
+        await load_adapters(model.engine, model.catalog)
+    except AdapterError as error:
+        logger.error("%s", error)
+        return False
+    return True
 
 
 async def until_stopped_or_engine_dead(model: ServedModel, stopping: asyncio.Future) -> bool:

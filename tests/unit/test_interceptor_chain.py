@@ -91,11 +91,11 @@ async def two_chunks(request: Any, context: Any) -> AsyncIterator[CreateCompleti
 
 async def fails_after_one(request: Any, context: Any) -> AsyncIterator[CreateCompletionResponse]:
     yield CHUNK
-    raise ModelNotFoundError("a", "b")
+    raise ModelNotFoundError("a", ["b"])
 
 
 async def fails_at_once(request: Any, context: Any) -> AsyncIterator[CreateCompletionResponse]:
-    raise ModelNotFoundError("a", "b")
+    raise ModelNotFoundError("a", ["b"])
     yield CHUNK
 
 

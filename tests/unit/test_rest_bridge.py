@@ -83,7 +83,7 @@ def test_validation_errors_become_the_422_body_with_every_violation() -> None:
 
 
 def test_other_errors_become_a_detail_string_of_bounded_size() -> None:
-    error = ModelNotFoundError("m" * 100_000, "served")
+    error = ModelNotFoundError("m" * 100_000, ["served"])
     metadata = dict(rest_bridge.error_metadata(error))
     assert metadata[rest_bridge.HTTP_STATUS_HEADER] == "404"
     detail = json.loads(metadata[rest_bridge.ERROR_BODY_HEADER])["detail"]
