@@ -23,8 +23,11 @@ MAX_QUOTED_CHARS = 256
 MAX_MESSAGE_BYTES = 384
 MAX_VIOLATION_BYTES = 320
 MAX_VIOLATIONS_BYTES = 768
-# The served model names an unknown-model error lists (the rest are counted).
-MAX_SERVED_NAMES_BYTES = 192
+# A model name in a message shows at most this many characters, and the served names an
+# unknown-model error lists take at most this many bytes (the rest are counted): together
+# within MAX_MESSAGE_BYTES.
+MAX_QUOTED_NAME_CHARS = 100
+MAX_SERVED_NAMES_BYTES = 160
 ELLIPSIS = "…"
 
 Loc = tuple[str | int, ...]
@@ -39,11 +42,11 @@ def clip(text: str, max_bytes: int) -> str:
     return encoded[:room].decode(errors="ignore") + ELLIPSIS
 
 
-def quote(value: object) -> str:
-    """A request value for a message: in backticks, at most MAX_QUOTED_CHARS characters."""
+def quote(value: object, max_chars: int = MAX_QUOTED_CHARS) -> str:
+    """A request value for a message: in backticks, at most `max_chars` characters."""
     text = str(value)
-    if len(text) > MAX_QUOTED_CHARS:
-        text = f"{text[:MAX_QUOTED_CHARS]}{ELLIPSIS} ({len(text)} characters)"
+    if len(text) > max_chars:
+        text = f"{text[:max_chars]}{ELLIPSIS} ({len(text)} characters)"
     return f"`{text}`"
 
 
@@ -135,7 +138,7 @@ def quoted_list(values: Sequence[str], max_bytes: int) -> str:
     shown: list[str] = []
     spent = 0
     for value in values:
-        quoted = quote(value)
+        quoted = quote(value, MAX_QUOTED_NAME_CHARS)
         spent += len(quoted.encode()) + 2
         if shown and spent > max_bytes:
             break
@@ -149,8 +152,8 @@ class ModelNotFoundError(CompletionError):
 
     def __init__(self, requested: str, served: Sequence[str]) -> None:
         super().__init__(
-            f"The model {quote(requested)} does not exist; this server serves "
-            f"{quoted_list(served, MAX_SERVED_NAMES_BYTES)}."
+            f"The model {quote(requested, MAX_QUOTED_NAME_CHARS)} does not exist; this server "
+            f"serves {quoted_list(served, MAX_SERVED_NAMES_BYTES)}."
         )
 
 
