@@ -227,7 +227,7 @@ def add_lora_options(parser: argparse.ArgumentParser, defaults: dict[str, Any]) 
         "--max-loras",
         "MAX_LORAS",
         defaults["max_loras"],
-        "adapters that run in one batch (with --lora-modules)",
+        "LoRA adapters that run in one batch",
         positive_int,
     )
     add_option(
