@@ -8,8 +8,10 @@ GET /openapi.json.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
+from google.api import annotations_pb2
 from google.protobuf import descriptor_pb2
 
 # Registers the `allowed` field option, so that it parses out of the descriptor set.
@@ -37,10 +39,14 @@ NOT_IN_DOCUMENT = {"NumericRange"}
 TOKEN_IDS: JsonSchema = {"type": "array", "items": {"type": "integer"}}
 STRINGS: JsonSchema = {"type": "array", "items": {"type": "string"}}
 # The reference's JSON unions and free-form values, which the proto holds as well-known types.
+PROMPT: JsonSchema = {
+    "oneOf": [{"type": "string"}, STRINGS, TOKEN_IDS, {"type": "array", "items": TOKEN_IDS}]
+}
 VALUE_FIELDS: dict[str, JsonSchema] = {
-    "CreateCompletionRequest.prompt": {
-        "oneOf": [{"type": "string"}, STRINGS, TOKEN_IDS, {"type": "array", "items": TOKEN_IDS}]
-    },
+    "CreateCompletionRequest.prompt": PROMPT,
+    "TokenizeRequest.prompt": PROMPT,
+    "Model.parent": {"type": ["string", "null"]},
+    "GetModelInfoResponse.parent": {"type": ["string", "null"]},
     "CreateCompletionRequest.stop": {
         "oneOf": [{"type": "string"}, {**STRINGS, "maxItems": 4}, {"type": "null"}]
     },
@@ -155,50 +161,82 @@ def json_response(schema: str, description: str) -> JsonSchema:
     }
 
 
+# What differs per method from the plain JSON reply of its output message.
+STREAMED_REPLY: JsonSchema = {
+    "description": "The completion (stream false), or server-sent events of chunks ending with"
+    " `data: [DONE]` (stream true).",
+    "content": {
+        "application/json": {"schema": {"$ref": "#/components/schemas/CreateCompletionResponse"}},
+        "text/event-stream": {"schema": {"type": "string"}},
+    },
+}
+ERROR_REPLIES: JsonSchema = {
+    "400": json_response("ErrorDetail", "A request this server cannot serve (e.g. too long)."),
+    "401": json_response("ErrorDetail", "Missing or wrong API key."),
+    "404": json_response("ErrorDetail", "The model is not served here."),
+    "422": json_response("HTTPValidationError", "Validation Error"),
+    "429": json_response("ErrorDetail", "Too many requests in flight."),
+    "503": json_response("ErrorDetail", "The engine is not ready."),
+}
+SERVICE_PATH = 6  # FileDescriptorProto.service
+METHOD_PATH = 2  # ServiceDescriptorProto.method
+PATH_PARAMETER = re.compile(r"\{(\w+)(=[^}]*)?\}")
+
+
+def operation(
+    method: descriptor_pb2.MethodDescriptorProto, rule: Any, summary: str
+) -> tuple[str, str, JsonSchema]:
+    """(path, verb, operation) of one method's google.api.http binding."""
+    verb = next(v for v in ("get", "post", "put", "delete", "patch") if getattr(rule, v))
+    path = PATH_PARAMETER.sub(r"{\1}", getattr(rule, verb))
+    output = method.output_type.removeprefix(PACKAGE_PREFIX)
+    reply = STREAMED_REPLY if method.server_streaming else json_response(output, "OK")
+    found: JsonSchema = {
+        "operationId": method.name[0].lower() + method.name[1:],
+        "summary": summary,
+        "responses": {"200": reply, **ERROR_REPLIES},
+    }
+    parameters = [
+        {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+        for name, _ in PATH_PARAMETER.findall(getattr(rule, verb))
+    ]
+    if parameters:
+        found["parameters"] = parameters
+    if rule.body == "*":
+        schema = {"$ref": f"#/components/schemas/{method.input_type.removeprefix(PACKAGE_PREFIX)}"}
+        found["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": schema}},
+        }
+    return path, verb, found
+
+
+def paths(file: descriptor_pb2.FileDescriptorProto) -> JsonSchema:
+    """Every REST route, from the methods' google.api.http annotations."""
+    docs = leading_comments(file)
+    found: JsonSchema = {}
+    for service_index, service in enumerate(file.service):
+        for method_index, method in enumerate(service.method):
+            if not method.options.HasExtension(annotations_pb2.http):
+                continue
+            summary = docs.get((SERVICE_PATH, service_index, METHOD_PATH, method_index), "")
+            rule = method.options.Extensions[annotations_pb2.http]
+            path, verb, described = operation(method, rule, summary.split(". ")[0].rstrip("."))
+            found.setdefault(path, {})[verb] = described
+    return found
+
+
 def openapi_document(descriptor_set: bytes, version: str) -> JsonSchema:
     files = descriptor_pb2.FileDescriptorSet.FromString(descriptor_set)
     file = next(f for f in files.file if f.name == PROTO_FILE)
-    response = "#/components/schemas/CreateCompletionResponse"
     return {
         "openapi": "3.1.0",
         "info": {
             "title": "LLM completions",
             "version": version,
-            "description": "Scale LLM Engine's POST /v2/completions, served by vLLM over gRPC.",
+            "description": "Scale LLM Engine's POST /v2/completions, served by vLLM over gRPC,"
+            " with model listing and tokenization.",
         },
-        "paths": {
-            "/v2/completions": {
-                "post": {
-                    "operationId": "createCompletion",
-                    "summary": "Creates completions for one or more prompts.",
-                    "requestBody": {
-                        "required": True,
-                        "content": {
-                            "application/json": {
-                                "schema": {"$ref": "#/components/schemas/CreateCompletionRequest"}
-                            }
-                        },
-                    },
-                    "responses": {
-                        "200": {
-                            "description": "The completion (stream false), or server-sent events"
-                            " of chunks ending with `data: [DONE]` (stream true).",
-                            "content": {
-                                "application/json": {"schema": {"$ref": response}},
-                                "text/event-stream": {"schema": {"type": "string"}},
-                            },
-                        },
-                        "400": json_response(
-                            "ErrorDetail", "Prompt and max_tokens exceed the context."
-                        ),
-                        "401": json_response("ErrorDetail", "Missing or wrong API key."),
-                        "404": json_response("ErrorDetail", "The model is not served here."),
-                        "422": json_response("HTTPValidationError", "Validation Error"),
-                        "429": json_response("ErrorDetail", "Too many requests in flight."),
-                        "503": json_response("ErrorDetail", "The engine is not ready."),
-                    },
-                }
-            }
-        },
+        "paths": paths(file),
         "components": {"schemas": {**message_schemas(file), **ERROR_SCHEMAS}},
     }

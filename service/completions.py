@@ -46,7 +46,7 @@ from service.sampling import (
     sampling_params,
 )
 from service.settings import RequestLimits
-from service.validation import validate_request
+from service.validation import check_prompt_tokens, validate_request
 
 logger = logging.getLogger(__name__)
 
@@ -196,20 +196,6 @@ class CompletionHandler:
     ) -> AsyncIterator[RequestOutput]:
         yield await beam_search(
             self.model.engine, self.model.tokenizer, prompt_ids, request_id, settings, adapter
-        )
-
-
-def check_prompt_tokens(prompts: Sequence[PreparedPrompt], limit: int) -> None:
-    total = sum(len(prompt.token_ids) for prompt in prompts)
-    if total > limit:
-        raise RequestValidationError(
-            [
-                FieldViolation(
-                    ("prompt",),
-                    f"the prompts hold {total} tokens; at most {limit} are allowed per request",
-                    "too_long",
-                )
-            ]
         )
 
 

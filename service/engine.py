@@ -19,6 +19,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from service.adapters import ModelCatalog, build_catalog
 from service.default_model import model_directory
 from service.settings import EngineSettings
+from service.validation import MAX_BEST_OF
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ class ServedModel:
     catalog: ModelCatalog  # the served names: the base model's and its adapters'
     # Files the engine reads while it runs (the base model's stand-in adapter), removed after.
     scratch: tempfile.TemporaryDirectory[str]
+    eos_token_ids: tuple[int, ...] = ()
 
 
 def resolve_dtype(dtype: str) -> str:
@@ -76,6 +78,8 @@ def engine_args(
         "dtype": resolve_dtype(settings.dtype),
         # torch.compile costs minutes at start on a CPU and buys little there.
         "enforce_eager": current_platform.is_cpu(),
+        # Beam search asks each step for 2 x width log-probabilities (vLLM's default cap is 20).
+        "max_logprobs": 2 * MAX_BEST_OF,
         # Stats feed vLLM's Prometheus metrics (vllm:*), served with ours.
         "disable_log_stats": False,
         # vLLM runs one structured-output backend per engine; requests may only name it.
@@ -111,6 +115,14 @@ def fingerprint(args: AsyncEngineArgs) -> str:
     return f"fp_{digest[:12]}"
 
 
+def eos_token_ids(engine: AsyncLLM) -> tuple[int, ...]:
+    """The tokenizer's end-of-sequence id and those of the model's generation config."""
+    found = {engine.get_tokenizer().eos_token_id}
+    configured = engine.model_config.try_get_generation_config().get("eos_token_id")
+    found.update(configured if isinstance(configured, list) else [configured])
+    return tuple(sorted(token for token in found if isinstance(token, int)))
+
+
 def start_engine(settings: EngineSettings) -> ServedModel:
     """Build the engine (blocking: run it off the event loop)."""
     model_dir = model_directory(settings.model)
@@ -138,6 +150,7 @@ def start_engine(settings: EngineSettings) -> ServedModel:
         structured_outputs_backend=engine.vllm_config.structured_outputs_config.backend,
         catalog=catalog,
         scratch=scratch,
+        eos_token_ids=eos_token_ids(engine),
     )
     logger.info(
         "engine ready: max_model_len=%d vocab_size=%d adapters=%s base_adapter=%s",

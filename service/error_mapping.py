@@ -61,13 +61,15 @@ class ErrorMappingInterceptor(StreamInterceptor):
     ) -> AsyncIterator[Message]:
         rest = rest_call(context.invocation_metadata())
         stream = bool(getattr(request, "stream", False))
+        # Only CreateCompletion (with its `stream` field) needs telling how to frame its reply.
+        framed = rest is not None and hasattr(request, "stream")
         whole_rest_reply = rest if rest is not None and not stream else None
         sent_any = False
         try:
             async for message in inner(request, context):
                 check_size(message, self._max_message_bytes, whole_rest_reply)
                 if not sent_any:
-                    framing = rest.framing(stream) if rest is not None else ()
+                    framing = rest.framing(stream) if rest is not None and framed else ()
                     await context.send_initial_metadata(identity() + framing)
                     sent_any = True
                 yield message

@@ -1,5 +1,6 @@
-"""The shape every interceptor of the chain shares: it wraps the behaviour of the
-server-streaming methods it is given, around the handler the rest of the chain returns.
+"""The shape every interceptor of the chain shares: it wraps the behaviour of the methods it
+is given, around the handler the rest of the chain returns. Each interceptor is written once,
+for server-streaming calls; a unary call runs through it as a stream of one message.
 
 The chain (built in `service.server`, outermost first): request context (id, record,
 metrics, log line) -> authentication -> admission -> error mapping -> the servicer.
@@ -14,10 +15,11 @@ import grpc
 from google.protobuf.message import Message
 
 StreamBehaviour = Callable[[Message, grpc.aio.ServicerContext], AsyncIterator[Message]]
+UnaryBehaviour = Callable[[Message, grpc.aio.ServicerContext], Awaitable[Message]]
 
 
 class StreamInterceptor(grpc.aio.ServerInterceptor):
-    """Wraps the server-streaming `methods` (full names, `/package.Service/Method`)."""
+    """Wraps the `methods` (full names, `/package.Service/Method`)."""
 
     def __init__(self, methods: frozenset[str]) -> None:
         self._methods = methods
@@ -28,21 +30,39 @@ class StreamInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        if (
-            handler is None
-            or handler.unary_stream is None
-            or handler_call_details.method not in self._methods
-        ):
+        if handler is None or handler_call_details.method not in self._methods:
             return handler
         method = handler_call_details.method.rsplit("/", 1)[-1]
-        # A partial of an async generator method is still one to grpc.aio (inspect unwraps
-        # it), and costs no extra generator per message.
-        wrapped = functools.partial(self.around, handler.unary_stream, method)
-        return grpc.unary_stream_rpc_method_handler(
-            wrapped,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+        codec = {
+            "request_deserializer": handler.request_deserializer,
+            "response_serializer": handler.response_serializer,
+        }
+        if handler.unary_stream is not None:
+            # A partial of an async generator method is still one to grpc.aio (inspect unwraps
+            # it), and costs no extra generator per message.
+            streamed = functools.partial(self.around, handler.unary_stream, method)
+            return grpc.unary_stream_rpc_method_handler(streamed, **codec)
+        if handler.unary_unary is not None:
+            unary = functools.partial(self.around_unary, handler.unary_unary, method)
+            return grpc.unary_unary_rpc_method_handler(unary, **codec)
+        return handler
+
+    async def around_unary(
+        self,
+        inner: UnaryBehaviour,
+        method: str,
+        request: Message,
+        context: grpc.aio.ServicerContext,
+    ) -> Message | None:
+        async def as_stream(
+            request: Message, context: grpc.aio.ServicerContext
+        ) -> AsyncIterator[Message]:
+            yield await inner(request, context)
+
+        reply = None
+        async for message in self.around(as_stream, method, request, context):
+            reply = message
+        return reply
 
     def around(
         self,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -18,52 +19,109 @@ from service.completions import CompletionHandler
 from service.engine import ServedModel, start_engine
 from service.error_mapping import ErrorMappingInterceptor
 from service.interception import StreamInterceptor
+from service.model_listing import ModelListing
 from service.observability import serve_metrics, watch_engine_gauges
 from service.request_context import RequestContextInterceptor
-from service.servicer import CompletionServicer
+from service.servicer import CompletionServicer, Serving
 from service.settings import EngineSettings, ServerSettings
+from service.tokenization import Tokenization
 
 logger = logging.getLogger(__name__)
 
-COMPLETION_SERVICE = completions_pb2.DESCRIPTOR.services_by_name["CompletionService"].full_name
-COMPLETION_METHOD = f"/{COMPLETION_SERVICE}/CreateCompletion"
+SERVICE_DESCRIPTOR = completions_pb2.DESCRIPTOR.services_by_name["CompletionService"]
+COMPLETION_SERVICE = SERVICE_DESCRIPTOR.full_name
+
+
+def method_names(*names: str) -> frozenset[str]:
+    return frozenset(f"/{COMPLETION_SERVICE}/{name}" for name in names)
+
+
+ALL_METHODS = method_names(*(method.name for method in SERVICE_DESCRIPTOR.methods))
+# Describing the models is cheap and must answer even when the server is at capacity.
+ADMITTED_METHODS = method_names("CreateCompletion", "Tokenize", "Detokenize")
 ENGINE_CHECK_SECONDS = 1.0
+# A drain takes the completion calls in flight as finished once none has run for this long,
+# so that a call the server accepted just before closing its listener is counted too.
+QUIET_SECONDS = 0.1
+# Calls cancelled when the grace period runs out get this long to end (and abort their
+# engine requests) before the engine stops.
+CANCEL_WAIT_SECONDS = 2.0
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class CallTracker(grpc.aio.ServerInterceptor):
+    """Knows which calls of `methods` are being served (the asyncio task serving each), so
+    that a drain can wait for them alone, and cancel them if the grace period runs out."""
+
+    def __init__(self, methods: frozenset[str]) -> None:
+        self._methods = methods
+        self.tasks: set[asyncio.Task[object]] = set()
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        # gRPC runs interceptors inside the task that then serves the call.
+        task = asyncio.current_task()
+        if handler_call_details.method in self._methods and task is not None:
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+        return await continuation(handler_call_details)
+
+    async def wait_until_quiet(self) -> None:
+        """Until no call has been in flight for QUIET_SECONDS."""
+        while True:
+            if self.tasks:
+                await asyncio.wait(set(self.tasks))
+            await asyncio.sleep(QUIET_SECONDS)
+            if not self.tasks:
+                return
+
+    async def cancel(self, timeout: float) -> None:
+        for task in self.tasks:
+            task.cancel()
+        if self.tasks:
+            await asyncio.wait(set(self.tasks), timeout=timeout)
 
 
 class ServiceState:
     """What the servicer sees of the engine: nothing until it is ready."""
 
     def __init__(self) -> None:
-        self.handler: CompletionHandler | None = None
+        self.serving: Serving | None = None
 
 
 def interceptor_chain(settings: ServerSettings) -> list[StreamInterceptor]:
     """Outermost first: request context -> authentication -> admission -> error mapping."""
-    methods = frozenset({COMPLETION_METHOD})
-    chain: list[StreamInterceptor] = [RequestContextInterceptor(methods, settings.log_prompts)]
+    chain: list[StreamInterceptor] = [RequestContextInterceptor(ALL_METHODS, settings.log_prompts)]
     if settings.api_key:
-        chain.append(ApiKeyInterceptor(methods, settings.api_key))
+        chain.append(ApiKeyInterceptor(ALL_METHODS, settings.api_key))
     chain.append(
-        AdmissionInterceptor(methods, Admission(settings.max_in_flight, settings.max_waiting))
+        AdmissionInterceptor(
+            ADMITTED_METHODS, Admission(settings.max_in_flight, settings.max_waiting)
+        )
     )
-    chain.append(ErrorMappingInterceptor(methods, settings.max_message_bytes))
+    chain.append(ErrorMappingInterceptor(ALL_METHODS, settings.max_message_bytes))
     return chain
 
 
 def build_server(
-    settings: ServerSettings, state: ServiceState
+    settings: ServerSettings, state: ServiceState, calls: CallTracker
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     server = grpc.aio.server(
-        interceptors=interceptor_chain(settings),
+        interceptors=[calls, *interceptor_chain(settings)],
         options=[
             ("grpc.max_receive_message_length", settings.max_message_bytes),
             ("grpc.max_send_message_length", settings.max_message_bytes),
+            # A second server on the same port fails to start instead of sharing it, e.g. a
+            # replica restarted while the old process still drains.
+            ("grpc.so_reuseport", 0),
         ],
     )
     completions_pb2_grpc.add_CompletionServiceServicer_to_server(
-        CompletionServicer(lambda: state.handler), server
+        CompletionServicer(lambda: state.serving), server
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -71,11 +129,21 @@ def build_server(
         [COMPLETION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
     address = f"{settings.host}:{settings.port}"
-    if server.add_insecure_port(address) == 0:
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError:  # what grpc raises when the port is taken
+        bound = 0
+    if bound == 0:
         raise SystemExit(
             f"cannot listen on {address}: is the port in use? Pick another with --port"
         )
     return server, health_servicer
+
+
+def serving(model: ServedModel, settings: ServerSettings) -> Serving:
+    completions = CompletionHandler(model, settings.limits)
+    tokenization = Tokenization(model, settings.limits, completions.tokenizing)
+    return Serving(completions, ModelListing(model), tokenization)
 
 
 async def set_health(health_servicer: health.aio.HealthServicer, status: int) -> None:
@@ -86,7 +154,8 @@ async def set_health(health_servicer: health.aio.HealthServicer, status: int) ->
 async def serve(server_settings: ServerSettings, engine_settings: EngineSettings) -> int:
     """Run until SIGINT or SIGTERM; return the process exit code."""
     state = ServiceState()
-    server, health_servicer = build_server(server_settings, state)
+    calls = CallTracker(ADMITTED_METHODS)
+    server, health_servicer = build_server(server_settings, state, calls)
     if server_settings.metrics_port is not None:
         serve_metrics(server_settings.metrics_host, server_settings.metrics_port)
     await server.start()
@@ -114,23 +183,27 @@ async def serve(server_settings: ServerSettings, engine_settings: EngineSettings
     if model is not None and not await adapters_loaded(model):
         exit_code = 1
     if model is not None and exit_code == 0:
-        state.handler = CompletionHandler(model, server_settings.limits)
+        state.serving = serving(model, server_settings)
         watch_engine_gauges(model.engine)
         await set_health(health_servicer, SERVING)
         logger.info("serving model %s", model.name)
         if await until_stopped_or_engine_dead(model, stopping):
             logger.error("the engine died: refusing new requests and exiting for a restart")
-            state.handler = None
+            state.serving = None
             exit_code = 1
 
-    logger.info("shutting down: draining for up to %.0fs", server_settings.shutdown_grace_seconds)
+    logger.info(
+        "shutting down: draining for up to %.0fs (%d requests in flight)",
+        server_settings.shutdown_grace_seconds,
+        len(calls.tasks),
+    )
     await set_health(health_servicer, NOT_SERVING)
     if exit_code == 0 and server_settings.drain_delay_seconds > 0:
         # Keep serving while load balancers' health checks see NOT_SERVING and stop sending.
         await asyncio.sleep(server_settings.drain_delay_seconds)
-    await server.stop(server_settings.shutdown_grace_seconds)
+    await drain(server, calls, server_settings.shutdown_grace_seconds)
     if model is not None:
-        model.engine.shutdown()
+        model.engine.shutdown(timeout=server_settings.engine_stop_seconds)
     logger.info("stopped")
     return exit_code
 
@@ -143,6 +216,33 @@ async def adapters_loaded(model: ServedModel) -> bool:
         logger.error("%s", error)
         return False
     return True
+
+
+async def drain(server: grpc.aio.Server, calls: CallTracker, grace: float) -> None:
+    """Close the listener, let the completion calls in flight finish (for up to `grace`
+    seconds), then end the rest at once. grpc's own stop(grace) also waits for every other
+    call and connection to end: a health Watch stream held it for the whole grace period, a
+    client connection that stays silent (never answers the server's GOAWAY ping) for 20 s."""
+    loop = asyncio.get_running_loop()
+    closed_at = loop.time()
+    logger.info("closing the listener; %d requests in flight", len(calls.tasks))
+    stopping = asyncio.ensure_future(server.stop(grace))
+    quiet = asyncio.ensure_future(calls.wait_until_quiet())
+    done, _ = await asyncio.wait(
+        {stopping, quiet}, timeout=grace, return_when=asyncio.FIRST_COMPLETED
+    )
+    quiet.cancel()
+    if done:
+        logger.info(
+            "requests in flight finished %.1fs after the listener closed", loop.time() - closed_at
+        )
+    else:
+        logger.warning(
+            "grace period (%.0fs) over: cancelling %d requests in flight", grace, len(calls.tasks)
+        )
+    await server.stop(None)  # ends what is left: idle connections, Watch streams
+    await calls.cancel(CANCEL_WAIT_SECONDS)  # none are left unless the grace period ran out
+    await stopping
 
 
 async def until_stopped_or_engine_dead(model: ServedModel, stopping: asyncio.Future) -> bool:

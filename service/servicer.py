@@ -1,32 +1,75 @@
-"""The gRPC servicer: hands each request to the serving logic and yields what it makes.
+"""The gRPC servicer: hands each request to the serving logic and returns what it makes.
 Everything around a call (its id and record, authentication, admission, error statuses and
 the REST framing) is done by the interceptor chain (`service.interception`)."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import grpc
 from llmcompletions.v2 import completions_pb2_grpc
-from llmcompletions.v2.completions_pb2 import CreateCompletionRequest, CreateCompletionResponse
+from llmcompletions.v2.completions_pb2 import (
+    CreateCompletionRequest,
+    CreateCompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    GetModelInfoRequest,
+    GetModelInfoResponse,
+    ListModelsRequest,
+    ListModelsResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 
 from service.completions import CompletionHandler
 from service.errors import EngineUnavailableError
+from service.model_listing import ModelListing
 from service.request_context import current_record
+from service.tokenization import Tokenization
+
+
+@dataclass(frozen=True)
+class Serving:
+    """The serving logic of a loaded engine, one part per kind of call."""
+
+    completions: CompletionHandler
+    models: ModelListing
+    tokenization: Tokenization
 
 
 class CompletionServicer(completions_pb2_grpc.CompletionServiceServicer):
-    def __init__(self, handler: Callable[[], CompletionHandler | None]) -> None:
-        self._handler = handler  # None until the engine is ready
+    def __init__(self, serving: Callable[[], Serving | None]) -> None:
+        self._serving = serving  # None until the engine is ready
 
     async def CreateCompletion(
         self, request: CreateCompletionRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[CreateCompletionResponse]:
-        async for message in self.handler().complete(request, current_record()):
+        async for message in self.serving().completions.complete(request, current_record()):
             yield message
 
-    def handler(self) -> CompletionHandler:
-        handler = self._handler()
-        if handler is None:
+    async def ListModels(
+        self, request: ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> ListModelsResponse:
+        return self.serving().models.listing()
+
+    async def GetModelInfo(
+        self, request: GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> GetModelInfoResponse:
+        return self.serving().models.info(request.model)
+
+    async def Tokenize(
+        self, request: TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> TokenizeResponse:
+        return await self.serving().tokenization.tokenize(request)
+
+    async def Detokenize(
+        self, request: DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> DetokenizeResponse:
+        return await self.serving().tokenization.detokenize(request)
+
+    def serving(self) -> Serving:
+        serving = self._serving()
+        if serving is None:
             raise EngineUnavailableError("The engine is not ready; retry shortly.")
-        return handler
+        return serving

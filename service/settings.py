@@ -57,6 +57,9 @@ class ServerSettings:
     port: int = 50051
     shutdown_grace_seconds: float = 30.0
     drain_delay_seconds: float = 0.0  # behind a balancer: serve on while it notices NOT_SERVING
+    # Once the requests are done, the engine gets this long to exit before its processes are
+    # killed (vLLM's default, 5 s, is spent waiting for its worker process's teardown).
+    engine_stop_seconds: float = 1.0
     max_message_bytes: int = 16 * 1024 * 1024
     api_key: str | None = None  # when set, completion calls need `authorization: Bearer <key>`
     metrics_host: str = "127.0.0.1"

@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from google.protobuf import struct_pb2
 from llmcompletions.v2 import completions_pb2
-from llmcompletions.v2.completions_pb2 import CreateCompletionRequest
+from llmcompletions.v2.completions_pb2 import (
+    CreateCompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 
 from service.errors import FieldViolation, Loc, RequestValidationError, quote
-from service.prompts import PromptFormError, PromptInput, parse_prompt
+from service.prompts import PreparedPrompt, PromptFormError, PromptInput, parse_prompt
 from service.sampling import requested_max_tokens
 from service.settings import RequestLimits
 
@@ -96,7 +101,7 @@ def validate_request(
 
 
 def check_prompt(
-    request: CreateCompletionRequest, vocab_size: int, found: Violations
+    request: CreateCompletionRequest | TokenizeRequest, vocab_size: int, found: Violations
 ) -> list[PromptInput]:
     try:
         return parse_prompt(request.prompt if request.HasField("prompt") else None, vocab_size)
@@ -276,15 +281,19 @@ def constraint_sizes(request: CreateCompletionRequest) -> dict[str, int]:
     return {name: size for name, size in sizes.items() if size}
 
 
-def check_sizes(
-    request: CreateCompletionRequest, prompt_count: int, limits: RequestLimits, found: Violations
-) -> None:
+def check_prompt_count(prompt_count: int, limits: RequestLimits, found: Violations) -> None:
     if prompt_count > limits.max_prompts:
         found.add(
             ("prompt",),
             f"at most {limits.max_prompts} prompts per request, got {prompt_count}",
             "too_long",
         )
+
+
+def check_sizes(
+    request: CreateCompletionRequest, prompt_count: int, limits: RequestLimits, found: Violations
+) -> None:
+    check_prompt_count(prompt_count, limits, found)
     candidates = request.best_of if request.HasField("best_of") else max(request.n, 1)
     if prompt_count * candidates > limits.max_choices:
         found.add(
@@ -346,3 +355,51 @@ def check_streaming(request: CreateCompletionRequest, found: Violations) -> None
             found.add(("stream",), "results cannot be streamed with use_beam_search")
     elif request.HasField("stream_options"):
         found.add(("stream_options",), "stream_options is only allowed with stream=true")
+
+
+def check_prompt_tokens(prompts: Sequence[PreparedPrompt], limit: int) -> None:
+    total = sum(len(prompt.token_ids) for prompt in prompts)
+    if total > limit:
+        raise RequestValidationError(
+            [
+                FieldViolation(
+                    ("prompt",),
+                    f"the prompts hold {total} tokens; at most {limit} are allowed per request",
+                    "too_long",
+                )
+            ]
+        )
+
+
+def validate_tokenize_request(
+    request: TokenizeRequest, vocab_size: int, limits: RequestLimits = DEFAULT_LIMITS
+) -> list[PromptInput]:
+    """The prompts to tokenize, under the same rules as a completion's prompts."""
+    found = Violations()
+    if not request.model:
+        found.add(("model",), "model is required", "missing")
+    prompts = check_prompt(request, vocab_size, found)
+    check_prompt_count(len(prompts), limits, found)
+    if found.items:
+        raise RequestValidationError(found.items)
+    return prompts
+
+
+def validate_detokenize_request(
+    request: DetokenizeRequest, vocab_size: int, limits: RequestLimits = DEFAULT_LIMITS
+) -> None:
+    found = Violations()
+    if not request.model:
+        found.add(("model",), "model is required", "missing")
+    if len(request.tokens) > limits.max_prompt_tokens:
+        found.add(
+            ("tokens",),
+            f"at most {limits.max_prompt_tokens} tokens, got {len(request.tokens)}",
+            "too_long",
+        )
+    for index, token_id in enumerate(request.tokens):
+        problem = token_id_problem(token_id, vocab_size)
+        if problem:
+            found.add(("tokens", index), problem)
+    if found.items:
+        raise RequestValidationError(found.items)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import httpx
+import pytest
 
 from tests.helpers import CAPITAL_PROMPT, body, complete, post
 
@@ -54,7 +55,8 @@ def test_beam_search_cannot_be_streamed(rest: httpx.Client) -> None:
     assert "cannot be streamed" in response.json()["detail"][0]["msg"]
 
 
-def test_each_beams_tokens_are_among_their_top_logprobs(rest: httpx.Client) -> None:
+@pytest.mark.parametrize("logprobs", [0, 2])
+def test_each_beams_tokens_are_among_their_top_logprobs(rest: httpx.Client, logprobs: int) -> None:
     beams = complete(
         rest,
         prompt="The best fruit is",
@@ -63,19 +65,19 @@ def test_each_beams_tokens_are_among_their_top_logprobs(rest: httpx.Client) -> N
         use_beam_search=True,
         n=3,
         best_of=3,
-        logprobs=2,
+        logprobs=logprobs,
     )["choices"]
+    # Distinct beams: all but one took a token that was not the most likely at some step.
+    assert len({choice["text"] for choice in beams}) == 3
     below_the_top = 0
     for choice in beams:
-        logprobs = choice["logprobs"]
-        steps = zip(
-            logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"], strict=True
-        )
+        shown = choice["logprobs"]
+        steps = zip(shown["tokens"], shown["token_logprobs"], shown["top_logprobs"], strict=True)
         for token, logprob, top in steps:
             assert token in top and math.isclose(top[token], logprob)
-            assert 2 <= len(top) <= 3
+            assert max(logprobs, 1) <= len(top) <= logprobs + 1
             below_the_top += logprob < max(top.values())
-    assert below_the_top > 0  # some beam took a token that was not the most likely
+    assert below_the_top > 0 or logprobs == 0  # with 0 each shows its own token alone
 
 
 def test_beam_search_echo_scores_every_prompt_token_but_the_first(rest: httpx.Client) -> None:
@@ -97,3 +99,11 @@ def test_beam_search_echo_scores_every_prompt_token_but_the_first(rest: httpx.Cl
         strict=True,
     ):
         assert math.isclose(mine, theirs, abs_tol=1e-3)
+
+
+def test_the_widest_beam_search_the_api_allows_runs(rest: httpx.Client) -> None:
+    # Width 20 asks the engine for 40 log-probabilities per step, over vLLM's default cap.
+    beams = complete(
+        rest, prompt="Fruit:", use_beam_search=True, n=2, best_of=20, max_tokens=2, ignore_eos=True
+    )["choices"]
+    assert len(beams) == 2 and beams[0]["text"] != beams[1]["text"]

@@ -63,6 +63,27 @@ def test_an_unknown_log_format_is_refused_with_the_choices(
 
 
 @pytest.mark.parametrize(
+    ("args", "env"), [(["--log-level", "verbose"], {}), ([], {"LOG_LEVEL": "verbose"})]
+)
+def test_an_unknown_log_level_is_refused_with_the_choices(
+    args: list[str], env: dict[str, str]
+) -> None:
+    # No explicit command: `serve` is implied after the top-level options.
+    done = subprocess.run(
+        [sys.executable, "-m", "service", *args, "--port", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **env},
+    )
+    assert done.returncode == 2
+    assert "argument --log-level: must be one of: DEBUG, INFO, WARNING, ERROR, CRITICAL" in (
+        done.stderr
+    )
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
     ("env", "message"),
     [
         ({"ENVOY_CONCURRENCY": "abc"}, "argument --concurrency"),

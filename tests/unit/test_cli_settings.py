@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import logging
 import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -264,6 +265,7 @@ class Calls:
         self.logging: list[tuple[str, str]] = []
         monkeypatch.setattr(cli, "run_serve", lambda args: self.serve.append(args) or 0)
         monkeypatch.setattr(cli, "run_prepare_model", lambda args: self.prepare.append(args) or 0)
+        monkeypatch.setattr(cli, "exit_now", sys.exit)  # the real one ends the process at once
         monkeypatch.setattr(
             cli, "configure_logging", lambda level, fmt: self.logging.append((level, fmt))
         )

@@ -40,6 +40,26 @@ class CompletionServiceStub:
                 request_serializer=llmcompletions_dot_v2_dot_completions__pb2.CreateCompletionRequest.SerializeToString,
                 response_deserializer=llmcompletions_dot_v2_dot_completions__pb2.CreateCompletionResponse.FromString,
                 _registered_method=True)
+        self.ListModels = channel.unary_unary(
+                '/llmcompletions.v2.CompletionService/ListModels',
+                request_serializer=llmcompletions_dot_v2_dot_completions__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=llmcompletions_dot_v2_dot_completions__pb2.ListModelsResponse.FromString,
+                _registered_method=True)
+        self.GetModelInfo = channel.unary_unary(
+                '/llmcompletions.v2.CompletionService/GetModelInfo',
+                request_serializer=llmcompletions_dot_v2_dot_completions__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=llmcompletions_dot_v2_dot_completions__pb2.GetModelInfoResponse.FromString,
+                _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/llmcompletions.v2.CompletionService/Tokenize',
+                request_serializer=llmcompletions_dot_v2_dot_completions__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=llmcompletions_dot_v2_dot_completions__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/llmcompletions.v2.CompletionService/Detokenize',
+                request_serializer=llmcompletions_dot_v2_dot_completions__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=llmcompletions_dot_v2_dot_completions__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class CompletionServiceServicer:
@@ -59,6 +79,34 @@ class CompletionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListModels(self, request, context):
+        """Lists the models this endpoint serves, in the OpenAI list shape.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetModelInfo(self, request, context):
+        """Describes one served model: what a caller needs to plan a request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Tokenize(self, request, context):
+        """Tokenizes a prompt exactly as CreateCompletion does, counting its tokens.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Turns token ids back into text.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CompletionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -66,6 +114,26 @@ def add_CompletionServiceServicer_to_server(servicer, server):
                     servicer.CreateCompletion,
                     request_deserializer=llmcompletions_dot_v2_dot_completions__pb2.CreateCompletionRequest.FromString,
                     response_serializer=llmcompletions_dot_v2_dot_completions__pb2.CreateCompletionResponse.SerializeToString,
+            ),
+            'ListModels': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListModels,
+                    request_deserializer=llmcompletions_dot_v2_dot_completions__pb2.ListModelsRequest.FromString,
+                    response_serializer=llmcompletions_dot_v2_dot_completions__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'GetModelInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModelInfo,
+                    request_deserializer=llmcompletions_dot_v2_dot_completions__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=llmcompletions_dot_v2_dot_completions__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=llmcompletions_dot_v2_dot_completions__pb2.TokenizeRequest.FromString,
+                    response_serializer=llmcompletions_dot_v2_dot_completions__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=llmcompletions_dot_v2_dot_completions__pb2.DetokenizeRequest.FromString,
+                    response_serializer=llmcompletions_dot_v2_dot_completions__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -96,6 +164,114 @@ class CompletionService:
             '/llmcompletions.v2.CompletionService/CreateCompletion',
             llmcompletions_dot_v2_dot_completions__pb2.CreateCompletionRequest.SerializeToString,
             llmcompletions_dot_v2_dot_completions__pb2.CreateCompletionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListModels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmcompletions.v2.CompletionService/ListModels',
+            llmcompletions_dot_v2_dot_completions__pb2.ListModelsRequest.SerializeToString,
+            llmcompletions_dot_v2_dot_completions__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModelInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmcompletions.v2.CompletionService/GetModelInfo',
+            llmcompletions_dot_v2_dot_completions__pb2.GetModelInfoRequest.SerializeToString,
+            llmcompletions_dot_v2_dot_completions__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmcompletions.v2.CompletionService/Tokenize',
+            llmcompletions_dot_v2_dot_completions__pb2.TokenizeRequest.SerializeToString,
+            llmcompletions_dot_v2_dot_completions__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmcompletions.v2.CompletionService/Detokenize',
+            llmcompletions_dot_v2_dot_completions__pb2.DetokenizeRequest.SerializeToString,
+            llmcompletions_dot_v2_dot_completions__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

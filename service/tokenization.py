@@ -1,0 +1,56 @@
+"""Tokenize and Detokenize: prompts counted exactly as CreateCompletion counts them (the same
+parsing, limits and tokenizer calls), run off the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import Executor
+
+from llmcompletions.v2.completions_pb2 import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+
+from service.engine import ServedModel
+from service.prompts import prepare_prompts
+from service.settings import RequestLimits
+from service.validation import (
+    check_prompt_tokens,
+    validate_detokenize_request,
+    validate_tokenize_request,
+)
+
+
+class Tokenization:
+    def __init__(self, model: ServedModel, limits: RequestLimits, tokenizing: Executor) -> None:
+        self.model = model
+        self.limits = limits
+        self.tokenizing = tokenizing
+
+    async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+        prompts = validate_tokenize_request(request, self.model.vocab_size, self.limits)
+        self.model.catalog.resolve(request.model)  # 404 unless served; adapters share the tokenizer
+        add_special_tokens = (
+            request.add_special_tokens if request.HasField("add_special_tokens") else True
+        )
+        prepared = await asyncio.get_running_loop().run_in_executor(
+            self.tokenizing, prepare_prompts, prompts, self.model.tokenizer, add_special_tokens
+        )
+        check_prompt_tokens(prepared, self.limits.max_prompt_tokens)
+        counts = [len(prompt.token_ids) for prompt in prepared]
+        return TokenizeResponse(
+            tokens=[token for prompt in prepared for token in prompt.token_ids],
+            count=sum(counts),
+            max_model_len=self.model.max_model_len,
+            counts=counts if len(counts) > 1 else [],
+        )
+
+    async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+        validate_detokenize_request(request, self.model.vocab_size, self.limits)
+        self.model.catalog.resolve(request.model)  # 404 unless served; adapters share the tokenizer
+        text = await asyncio.get_running_loop().run_in_executor(
+            self.tokenizing, self.model.tokenizer.decode, list(request.tokens)
+        )
+        return DetokenizeResponse(prompt=text)
