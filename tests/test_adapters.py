@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -264,3 +265,29 @@ def test_an_adapter_of_another_base_model_fails_start_up_naming_it(
     assert code != 0
     [line] = error_lines(stderr)
     assert "`other`" in line and "Llama-3.2-1B" in line
+
+
+def test_adapters_are_listed_with_their_base_model_as_parent(
+    rest: httpx.Client, adapter_stack: TestStack
+) -> None:
+    client = openai.OpenAI(base_url=f"{adapter_stack.base_url}/v2", api_key="unused")
+    listed = {model.id: model for model in client.models.list()}
+    assert list(listed) == [MODEL, *ADAPTERS]
+    assert listed[MODEL].parent is None  # type: ignore[attr-defined]
+    assert all(listed[name].parent == MODEL for name in ADAPTERS)  # type: ignore[attr-defined]
+    assert client.models.retrieve("a1").id == "a1"
+    info = rest.get(f"/v2/models/{MODEL}").json()
+    assert info["adapters"] == list(ADAPTERS)
+    assert rest.get("/v2/models/a2").json()["parent"] == MODEL
+
+
+def test_an_adapter_tokenizes_as_its_base_model(rest: httpx.Client) -> None:
+    counts = [
+        rest.post("/v2/tokenize", json={"model": name, "prompt": CAPITAL_PROMPT}).json()["count"]
+        for name in (MODEL, *ADAPTERS)
+    ]
+    assert (
+        counts[0]
+        == completion(rest, "a1", prompt=CAPITAL_PROMPT, max_tokens=1)["usage"]["prompt_tokens"]
+    )
+    assert len(set(counts)) == 1
