@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -74,6 +75,7 @@ class VllmOpenAIServer:
         served_name: str,
         max_model_len: int = ENGINE_ARGS["max_model_len"],
         kv_cache_gib: int = ENGINE_ARGS["kv_cache_gib"],
+        extra_args: Sequence[str] = (),
     ) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -88,6 +90,7 @@ class VllmOpenAIServer:
             "--port",
             str(self.port),
             "--no-enable-prefix-caching",
+            *extra_args,  # e.g. --enable-lora --lora-modules NAME=PATH
         ]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
         self.process = subprocess.Popen(

@@ -12,6 +12,7 @@ from itertools import islice
 
 from vllm.inputs import TokensPrompt
 from vllm.logprobs import Logprob, PromptLogprobs
+from vllm.lora.request import LoRARequest
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.tokenizers import TokenizerLike
@@ -96,8 +97,10 @@ async def next_steps(
     beams: Sequence[Beam],
     request_id: str,
     params: SamplingParams,
+    adapter: LoRARequest | None = None,
 ) -> list[RequestOutput]:
-    """Each beam's one-token engine request, run together; their final outputs."""
+    """Each beam's one-token engine request, run together (with the request's adapter, if
+    any); their final outputs."""
     steps = await asyncio.gather(
         *(
             collect_from_async_generator(
@@ -105,6 +108,7 @@ async def next_steps(
                     TokensPrompt(prompt_token_ids=prompt_ids + beam.token_ids),
                     params,
                     f"{request_id}-{index}",
+                    lora_request=adapter,
                 )
             )
             for index, beam in enumerate(beams)
@@ -142,6 +146,7 @@ async def beam_search(
     prompt_ids: list[int],
     request_id: str,
     settings: BeamSearchSettings,
+    adapter: LoRARequest | None = None,
 ) -> RequestOutput:
     """The `returned` best beams, best first, as one finished RequestOutput (with the
     prompt's log-probabilities if `prompt_logprobs` asks for them)."""
@@ -151,7 +156,9 @@ async def beam_search(
     prompt_logprobs: PromptLogprobs | None = None
     for length in range(1, settings.max_tokens + 1):
         params = step_params(settings, first=length == 1)
-        outputs = await next_steps(engine, prompt_ids, running, f"{request_id}-{length}", params)
+        outputs = await next_steps(
+            engine, prompt_ids, running, f"{request_id}-{length}", params, adapter
+        )
         if length == 1:
             prompt_logprobs = outputs[0].prompt_logprobs
         candidates, ended = expand(running, outputs, settings, eos_token_id)

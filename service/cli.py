@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 from service import __version__
 from service.default_model import DEFAULT_SERVED_MODEL_NAME
 from service.logs import configure_logging
-from service.settings import EngineSettings, RequestLimits, ServerSettings
+from service.settings import EngineSettings, LoraModule, RequestLimits, ServerSettings
 
 COMMANDS = ("serve", "prepare-model")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -86,6 +86,35 @@ def json_object(text: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"max_num_seqs\": 64}'")
     return value
+
+
+def lora_modules(text: str) -> tuple[LoraModule, ...]:
+    """`NAME=PATH`, or several separated by commas (as the environment variable holds them)."""
+    modules = []
+    for item in text.split(","):
+        name, equals, path = item.strip().partition("=")
+        if not (equals and name.strip() and path.strip()):
+            raise argparse.ArgumentTypeError(
+                f"{item.strip()!r} is not NAME=PATH, e.g. sql-expert=/adapters/sql"
+            )
+        modules.append(LoraModule(name.strip(), Path(path.strip()).expanduser()))
+    return tuple(modules)
+
+
+lora_modules.__name__ = "NAME=PATH"  # argparse: "invalid NAME=PATH value"
+
+
+class Flatten(argparse.Action):
+    """Several values, each a tuple of items (nargs="+"), as one tuple."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        setattr(namespace, self.dest, tuple(item for value in values or () for item in value))
 
 
 def engine_defaults() -> dict[str, Any]:
@@ -169,6 +198,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         None,
         "mp (one node) or ray (several nodes); unset: vLLM chooses",
     )
+    add_lora_options(parser, defaults)
     add_option(
         parser,
         "--engine-args",
@@ -176,6 +206,38 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         {},
         "other vLLM engine arguments as a JSON object",
         json_object,
+    )
+
+
+def add_lora_options(parser: argparse.ArgumentParser, defaults: dict[str, Any]) -> None:
+    env = os.environ.get("LORA_MODULES") or ""
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=lora_modules,
+        action=Flatten,
+        # A text default is converted like a flag's value (a bad one is a usage error).
+        default=env or (),
+        metavar="NAME=PATH",
+        help="LoRA adapters served on the base model, each under its NAME (a request's "
+        "`model`); PATH is a PEFT adapter directory [env LORA_MODULES, comma-separated; "
+        "default: none]",
+    )
+    add_option(
+        parser,
+        "--max-loras",
+        "MAX_LORAS",
+        defaults["max_loras"],
+        "LoRA adapters that run in one batch",
+        positive_int,
+    )
+    add_option(
+        parser,
+        "--max-lora-rank",
+        "MAX_LORA_RANK",
+        defaults["max_lora_rank"],
+        "the largest adapter rank served (vLLM allows 1, 8, 16, 32, 64, 128, 256, 320, 512)",
+        positive_int,
     )
 
 
@@ -317,6 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from service.adapters import AdapterError, check_adapters
+    from service.default_model import model_directory
     from service.server import serve
 
     served_name = args.served_model_name or (
@@ -333,8 +397,22 @@ def run_serve(args: argparse.Namespace) -> int:
         pipeline_parallel_size=args.pipeline_parallel_size,
         data_parallel_size=args.data_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
+        lora_modules=tuple(args.lora_modules),
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
         extra_engine_args=args.engine_args,
     )
+    if engine_settings.lora_modules:
+        try:
+            check_adapters(
+                engine_settings.lora_modules,
+                engine_settings.max_lora_rank,
+                model_directory(engine_settings.model),
+                served_name,
+            )
+        except AdapterError as error:
+            print(f"llm-completions: error: {error}", file=sys.stderr)
+            return 1
     server_settings = ServerSettings(
         host=args.host,
         port=args.port,

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from llmcompletions.v2.completions_pb2 import CreateCompletionRequest, CreateCompletionResponse
 from vllm.exceptions import VLLMValidationError
 from vllm.inputs import TokensPrompt
+from vllm.lora.request import LoRARequest
 from vllm.outputs import RequestOutput
 from vllm.tokenizers import TokenizerLike
 from vllm.utils.async_utils import merge_async_iterators
@@ -24,7 +25,6 @@ from service.errors import (
     EngineUnavailableError,
     FieldViolation,
     InternalError,
-    ModelNotFoundError,
     RequestValidationError,
 )
 from service.observability import RequestRecord
@@ -75,8 +75,7 @@ class CompletionHandler:
         prompts = validate_request(
             request, self.model.vocab_size, self.model.structured_outputs_backend, self.limits
         )
-        if request.model != self.model.name:
-            raise ModelNotFoundError(request.model, [self.model.name])
+        adapter = self.model.catalog.resolve(request.model)
         add_special_tokens = (
             request.add_special_tokens if request.HasField("add_special_tokens") else True
         )
@@ -86,7 +85,7 @@ class CompletionHandler:
         )
         check_prompt_tokens(prepared, self.limits.max_prompt_tokens)
         self.check_context_length(prepared, requested_max_tokens(request))
-        header = ResponseHeader.new(self.model.name, self.model.system_fingerprint)
+        header = ResponseHeader.new(request.model, self.model.system_fingerprint)
         plan = choice_plan(request, prepared, self.model.tokenizer)
         record.prompt_tokens = plan.prompt_tokens()
         # The engine request ids carry the request id, so engine logs can be matched to it.
@@ -94,7 +93,7 @@ class CompletionHandler:
             request, f"{record.request_id}-{header.id[-8:]}", len(prepared)
         )
         try:
-            results = self.generate(prepared, slots, constraint_field(request))
+            results = self.generate(prepared, slots, adapter, constraint_field(request))
             if request.stream:
                 assembler = StreamAssembler(header, plan)
                 async for slot, result in results:
@@ -148,10 +147,13 @@ class CompletionHandler:
         self,
         prompts: Sequence[PreparedPrompt],
         slots: Sequence[EngineSlot],
+        adapter: LoRARequest | None,
         constraint: str | None,
     ) -> AsyncIterator[tuple[EngineSlot, RequestOutput]]:
         """Each engine request's outputs, interleaved as they come, engine errors translated."""
-        generators = [self.run(prompts[slot.prompt_index].token_ids, slot) for slot in slots]
+        generators = [
+            self.run(prompts[slot.prompt_index].token_ids, slot, adapter) for slot in slots
+        ]
         outputs = merge_async_iterators(*generators)
         try:
             async for index, output in outputs:
@@ -173,18 +175,27 @@ class CompletionHandler:
         except ValueError as error:
             raise InternalError(f"The engine rejected the request: {error}") from error
 
-    def run(self, prompt_ids: list[int], slot: EngineSlot) -> AsyncIterator[RequestOutput]:
+    def run(
+        self, prompt_ids: list[int], slot: EngineSlot, adapter: LoRARequest | None
+    ) -> AsyncIterator[RequestOutput]:
         if isinstance(slot.params, BeamSearchSettings):
-            return self.beams(prompt_ids, slot.request_id, slot.params)
+            return self.beams(prompt_ids, slot.request_id, slot.params, adapter)
         return self.model.engine.generate(
-            TokensPrompt(prompt_token_ids=prompt_ids), slot.params, slot.request_id
+            TokensPrompt(prompt_token_ids=prompt_ids),
+            slot.params,
+            slot.request_id,
+            lora_request=adapter,
         )
 
     async def beams(
-        self, prompt_ids: list[int], request_id: str, settings: BeamSearchSettings
+        self,
+        prompt_ids: list[int],
+        request_id: str,
+        settings: BeamSearchSettings,
+        adapter: LoRARequest | None,
     ) -> AsyncIterator[RequestOutput]:
         yield await beam_search(
-            self.model.engine, self.model.tokenizer, prompt_ids, request_id, settings
+            self.model.engine, self.model.tokenizer, prompt_ids, request_id, settings, adapter
         )
 
 

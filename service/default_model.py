@@ -81,6 +81,11 @@ def prepare_default_model() -> Path:
     return target
 
 
+def model_directory(model: Path | None) -> Path:
+    """The model directory to serve: `model`, or the default model's (prepared if needed)."""
+    return model if model is not None else prepare_default_model()
+
+
 def is_prepared(target: Path, expected: dict[str, object]) -> bool:
     marker = target / COMPLETE_MARKER
     return marker.is_file() and json.loads(marker.read_text()) == expected

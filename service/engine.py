@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,8 @@ from vllm.platforms import current_platform
 from vllm.tokenizers import TokenizerLike
 from vllm.v1.engine.async_llm import AsyncLLM
 
-from service.default_model import prepare_default_model
+from service.adapters import ModelCatalog, build_catalog
+from service.default_model import model_directory
 from service.settings import EngineSettings
 from service.validation import MAX_BEST_OF
 
@@ -39,6 +41,9 @@ class ServedModel:
     system_fingerprint: str
     default_sampling: dict[str, Any]
     structured_outputs_backend: str
+    catalog: ModelCatalog  # the served names: the base model's and its adapters'
+    # Files the engine reads while it runs (the base model's stand-in adapter), removed after.
+    scratch: tempfile.TemporaryDirectory[str]
     eos_token_ids: tuple[int, ...] = ()
 
 
@@ -50,7 +55,23 @@ def resolve_dtype(dtype: str) -> str:
     return dtype
 
 
-def engine_args(settings: EngineSettings, model_dir: Path) -> AsyncEngineArgs:
+def lora_args(settings: EngineSettings, catalog: ModelCatalog) -> dict[str, Any]:
+    """LoRA on when any adapter is served, with a slot more for the base model's stand-in."""
+    if not catalog.adapters:
+        return {}
+    extra = 1 if catalog.base_adapter is not None else 0
+    return {
+        "enable_lora": True,
+        "max_loras": settings.max_loras + extra,
+        "max_lora_rank": settings.max_lora_rank,
+        # Every adapter stays loaded in memory (load_adapters reads them all at start).
+        "max_cpu_loras": max(settings.max_loras, len(catalog.adapters)) + extra,
+    }
+
+
+def engine_args(
+    settings: EngineSettings, model_dir: Path, catalog: ModelCatalog
+) -> AsyncEngineArgs:
     args: dict[str, Any] = {
         "model": str(model_dir),
         "served_model_name": settings.served_model_name,
@@ -80,6 +101,7 @@ def engine_args(settings: EngineSettings, model_dir: Path) -> AsyncEngineArgs:
         kv_cache_gib = DEFAULT_CPU_KV_CACHE_GIB
     if kv_cache_gib is not None:
         args["kv_cache_memory_bytes"] = int(kv_cache_gib * GIB)
+    args.update(lora_args(settings, catalog))
     args.update(settings.extra_engine_args)
     return AsyncEngineArgs(**args)
 
@@ -103,8 +125,10 @@ def eos_token_ids(engine: AsyncLLM) -> tuple[int, ...]:
 
 def start_engine(settings: EngineSettings) -> ServedModel:
     """Build the engine (blocking: run it off the event loop)."""
-    model_dir = settings.model if settings.model is not None else prepare_default_model()
-    args = engine_args(settings, model_dir)
+    model_dir = model_directory(settings.model)
+    scratch = tempfile.TemporaryDirectory(prefix="llm-completions-")
+    catalog = build_catalog(settings, Path(scratch.name))
+    args = engine_args(settings, model_dir, catalog)
     logger.info(
         "starting engine: model=%s served_as=%s dtype=%s",
         model_dir,
@@ -124,9 +148,15 @@ def start_engine(settings: EngineSettings) -> ServedModel:
         system_fingerprint=fingerprint(args),
         default_sampling=model_config.get_diff_sampling_param(),
         structured_outputs_backend=engine.vllm_config.structured_outputs_config.backend,
+        catalog=catalog,
+        scratch=scratch,
         eos_token_ids=eos_token_ids(engine),
     )
     logger.info(
-        "engine ready: max_model_len=%d vocab_size=%d", served.max_model_len, served.vocab_size
+        "engine ready: max_model_len=%d vocab_size=%d adapters=%s base_adapter=%s",
+        served.max_model_len,
+        served.vocab_size,
+        ",".join(catalog.adapters) or "none",
+        "all-zero (vLLM CPU LoRA fix)" if catalog.base_adapter else "none",
     )
     return served

@@ -19,12 +19,15 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 # A value quoted from the request shows at most this many characters.
 MAX_QUOTED_CHARS = 256
-# A not-found message names at most this many served models (GET /v2/models lists them all).
-MAX_LISTED_NAMES = 8
 # Byte budgets (UTF-8) of what travels in metadata; gRPC percent-encodes the message.
 MAX_MESSAGE_BYTES = 384
 MAX_VIOLATION_BYTES = 320
 MAX_VIOLATIONS_BYTES = 768
+# A model name in a message shows at most this many characters, and the served names an
+# unknown-model error lists take at most this many bytes (the rest are counted): together
+# within MAX_MESSAGE_BYTES.
+MAX_QUOTED_NAME_CHARS = 100
+MAX_SERVED_NAMES_BYTES = 160
 ELLIPSIS = "…"
 
 Loc = tuple[str | int, ...]
@@ -39,11 +42,11 @@ def clip(text: str, max_bytes: int) -> str:
     return encoded[:room].decode(errors="ignore") + ELLIPSIS
 
 
-def quote(value: object) -> str:
-    """A request value for a message: in backticks, at most MAX_QUOTED_CHARS characters."""
+def quote(value: object, max_chars: int = MAX_QUOTED_CHARS) -> str:
+    """A request value for a message: in backticks, at most `max_chars` characters."""
     text = str(value)
-    if len(text) > MAX_QUOTED_CHARS:
-        text = f"{text[:MAX_QUOTED_CHARS]}{ELLIPSIS} ({len(text)} characters)"
+    if len(text) > max_chars:
+        text = f"{text[:max_chars]}{ELLIPSIS} ({len(text)} characters)"
     return f"`{text}`"
 
 
@@ -129,16 +132,28 @@ class RequestValidationError(CompletionError):
         return [packed]
 
 
+def quoted_list(values: Sequence[str], max_bytes: int) -> str:
+    """The values quoted and comma-separated, as many as fit `max_bytes` (at least one), then
+    how many more there are."""
+    shown: list[str] = []
+    spent = 0
+    for value in values:
+        quoted = quote(value, MAX_QUOTED_NAME_CHARS)
+        spent += len(quoted.encode()) + 2
+        if shown and spent > max_bytes:
+            break
+        shown.append(quoted)
+    omitted = len(values) - len(shown)
+    return ", ".join(shown) + (f" and {omitted} more" if omitted else "")
+
+
 class ModelNotFoundError(CompletionError):
     grpc_code = grpc.StatusCode.NOT_FOUND
 
     def __init__(self, requested: str, served: Sequence[str]) -> None:
-        shown = ", ".join(quote(name) for name in served[:MAX_LISTED_NAMES])
-        more = (
-            f" and {len(served) - MAX_LISTED_NAMES} more" if len(served) > MAX_LISTED_NAMES else ""
-        )
         super().__init__(
-            f"The model {quote(requested)} does not exist; this server serves {shown}{more}."
+            f"The model {quote(requested, MAX_QUOTED_NAME_CHARS)} does not exist; this server "
+            f"serves {quoted_list(served, MAX_SERVED_NAMES_BYTES)}."
         )
 
 

@@ -12,13 +12,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from llmcompletions.v2 import completions_pb2, completions_pb2_grpc
 
+from service.adapters import AdapterError, load_adapters
 from service.admission import Admission, AdmissionInterceptor
 from service.auth import ApiKeyInterceptor
 from service.completions import CompletionHandler
 from service.engine import ServedModel, start_engine
 from service.error_mapping import ErrorMappingInterceptor
 from service.interception import StreamInterceptor
-from service.model_catalog import ModelCatalog
+from service.model_listing import ModelListing
 from service.observability import serve_metrics, watch_engine_gauges
 from service.request_context import RequestContextInterceptor
 from service.servicer import CompletionServicer, Serving
@@ -141,9 +142,8 @@ def build_server(
 
 def serving(model: ServedModel, settings: ServerSettings) -> Serving:
     completions = CompletionHandler(model, settings.limits)
-    catalog = ModelCatalog(model)
-    tokenization = Tokenization(model, catalog, settings.limits, completions.tokenizing)
-    return Serving(completions, catalog, tokenization)
+    tokenization = Tokenization(model, settings.limits, completions.tokenizing)
+    return Serving(completions, ModelListing(model), tokenization)
 
 
 async def set_health(health_servicer: health.aio.HealthServicer, status: int) -> None:
@@ -180,7 +180,9 @@ async def serve(server_settings: ServerSettings, engine_settings: EngineSettings
         except Exception:
             logger.exception("the engine failed to start; check --model and the engine arguments")
             exit_code = 1
-    if model is not None:
+    if model is not None and not await adapters_loaded(model):
+        exit_code = 1
+    if model is not None and exit_code == 0:
         state.serving = serving(model, server_settings)
         watch_engine_gauges(model.engine)
         await set_health(health_servicer, SERVING)
@@ -204,6 +206,16 @@ async def serve(server_settings: ServerSettings, engine_settings: EngineSettings
         model.engine.shutdown(timeout=server_settings.engine_stop_seconds)
     logger.info("stopped")
     return exit_code
+
+
+async def adapters_loaded(model: ServedModel) -> bool:
+    """Load the adapters into the engine; False (and a one-line error) if one fails."""
+    try:
+        await load_adapters(model.engine, model.catalog)
+    except AdapterError as error:
+        logger.error("%s", error)
+        return False
+    return True
 
 
 async def drain(server: grpc.aio.Server, calls: CallTracker, grace: float) -> None:

@@ -24,7 +24,7 @@ from llmcompletions.v2.completions_pb2 import (
 
 from service.completions import CompletionHandler
 from service.errors import EngineUnavailableError
-from service.model_catalog import ModelCatalog
+from service.model_listing import ModelListing
 from service.request_context import current_record
 from service.tokenization import Tokenization
 
@@ -34,7 +34,7 @@ class Serving:
     """The serving logic of a loaded engine, one part per kind of call."""
 
     completions: CompletionHandler
-    catalog: ModelCatalog
+    models: ModelListing
     tokenization: Tokenization
 
 
@@ -51,12 +51,12 @@ class CompletionServicer(completions_pb2_grpc.CompletionServiceServicer):
     async def ListModels(
         self, request: ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> ListModelsResponse:
-        return self.serving().catalog.listing()
+        return self.serving().models.listing()
 
     async def GetModelInfo(
         self, request: GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> GetModelInfoResponse:
-        return self.serving().catalog.info(request.model)
+        return self.serving().models.info(request.model)
 
     async def Tokenize(
         self, request: TokenizeRequest, context: grpc.aio.ServicerContext

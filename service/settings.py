@@ -8,6 +8,14 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class LoraModule:
+    """A LoRA adapter to serve: callers pass `name` as `model`; `path` is its PEFT directory."""
+
+    name: str
+    path: Path
+
+
+@dataclass(frozen=True)
 class EngineSettings:
     """What the vLLM engine is built from."""
 
@@ -23,6 +31,10 @@ class EngineSettings:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # "mp" or "ray"; None lets vLLM choose
+    # LoRA adapters on the base model, each served under its own name (none: LoRA off).
+    lora_modules: tuple[LoraModule, ...] = ()
+    max_loras: int = 1  # adapters in one batch
+    max_lora_rank: int = 16  # the largest adapter rank the engine accepts
     extra_engine_args: dict[str, Any] = field(default_factory=dict)
 
 

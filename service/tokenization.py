@@ -14,7 +14,6 @@ from llmcompletions.v2.completions_pb2 import (
 )
 
 from service.engine import ServedModel
-from service.model_catalog import ModelCatalog
 from service.prompts import prepare_prompts
 from service.settings import RequestLimits
 from service.validation import (
@@ -25,17 +24,14 @@ from service.validation import (
 
 
 class Tokenization:
-    def __init__(
-        self, model: ServedModel, catalog: ModelCatalog, limits: RequestLimits, tokenizing: Executor
-    ) -> None:
+    def __init__(self, model: ServedModel, limits: RequestLimits, tokenizing: Executor) -> None:
         self.model = model
-        self.catalog = catalog
         self.limits = limits
         self.tokenizing = tokenizing
 
     async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         prompts = validate_tokenize_request(request, self.model.vocab_size, self.limits)
-        self.catalog.check_served(request.model)
+        self.model.catalog.resolve(request.model)  # 404 unless served; adapters share the tokenizer
         add_special_tokens = (
             request.add_special_tokens if request.HasField("add_special_tokens") else True
         )
@@ -53,7 +49,7 @@ class Tokenization:
 
     async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         validate_detokenize_request(request, self.model.vocab_size, self.limits)
-        self.catalog.check_served(request.model)
+        self.model.catalog.resolve(request.model)  # 404 unless served; adapters share the tokenizer
         text = await asyncio.get_running_loop().run_in_executor(
             self.tokenizing, self.model.tokenizer.decode, list(request.tokens)
         )

@@ -16,6 +16,7 @@ from llmcompletions.client import CompletionClient
 from llmcompletions.v2 import completions_pb2_grpc
 
 from facade.launch import DEFAULT_MAX_REQUEST_BYTES
+from service.errors import MAX_QUOTED_NAME_CHARS
 from tests.conftest import API_KEY, AUTH_HEADERS, GRPC_AUTH, MODEL
 from tests.helpers import body, grpc_request, post
 from tests.processes import TestStack, free_port
@@ -147,7 +148,8 @@ def test_a_long_value_gets_a_clean_bounded_status_on_grpc(
 def test_the_404_for_a_long_model_quotes_it_clipped(rest: httpx.Client) -> None:
     response = post(rest, {**body(prompt="Hi"), "model": "m" * LONG})
     detail = response.json()["detail"]
-    assert "m" * 256 + "\u2026" in detail and "m" * 257 not in detail
+    shown = MAX_QUOTED_NAME_CHARS  # shorter than other quoted values: the served names follow
+    assert "m" * shown + "\u2026" in detail and "m" * (shown + 1) not in detail
     assert f"({LONG} characters)" in detail and f"`{MODEL}`" in detail
 
 

@@ -10,6 +10,7 @@ import pytest
 from google.protobuf import json_format
 from unit_fakes import EOS, FakeTokenizer, completion_output, request_output
 from vllm.logprobs import Logprob
+from vllm.lora.request import LoRARequest
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 
@@ -38,12 +39,18 @@ class FakeEngine:
 
     def __init__(self) -> None:
         self.calls: list[tuple[list[int], SamplingParams, str]] = []
+        self.adapters: list[LoRARequest | None] = []
 
     async def generate(
-        self, prompt: dict, params: SamplingParams, request_id: str
+        self,
+        prompt: dict,
+        params: SamplingParams,
+        request_id: str,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         token_ids = list(prompt["prompt_token_ids"])
         self.calls.append((token_ids, params, request_id))
+        self.adapters.append(lora_request)
         await asyncio.sleep(0)
         ranked = sorted(
             TABLE.get(tuple(token_ids[len(PROMPT) :]), ELSEWHERE).items(),
@@ -69,10 +76,12 @@ class FakeEngine:
         )
 
 
-def run(settings: BeamSearchSettings) -> tuple[RequestOutput, FakeEngine]:
+def run(
+    settings: BeamSearchSettings, adapter: LoRARequest | None = None
+) -> tuple[RequestOutput, FakeEngine]:
     engine = FakeEngine()
-    result = asyncio.run(beam_search(engine, FakeTokenizer(), PROMPT, "req", settings))  # type: ignore[arg-type]
-    return result, engine
+    search = beam_search(engine, FakeTokenizer(), PROMPT, "req", settings, adapter)  # type: ignore[arg-type]
+    return asyncio.run(search), engine
 
 
 def beams(result: RequestOutput) -> list[tuple[list[int], str, str | None]]:
@@ -311,3 +320,12 @@ def test_beam_search_echo_with_logprobs_scores_the_prompt() -> None:
     assert logprobs["tokens"] == ["The", " capital", " A", "</s>"]
     assert logprobs["token_logprobs"] == [None, prompt_logprob(1), -0.1, -0.2]
     assert logprobs["top_logprobs"][:2] == [None, {" capital": prompt_logprob(1)}]
+
+
+def test_every_step_runs_with_the_requests_adapter() -> None:
+    adapter = LoRARequest("a1", 1, "/adapters/a1")
+    _, engine = run(BeamSearchSettings(width=2, returned=2, max_tokens=3), adapter)
+    assert len(engine.adapters) > 1
+    assert all(used is adapter for used in engine.adapters)
+    _, engine = run(BeamSearchSettings(width=2, returned=2, max_tokens=3))
+    assert set(engine.adapters) == {None}

@@ -16,7 +16,7 @@ import pytest
 
 from service import __version__, cli
 from service.default_model import DEFAULT_SERVED_MODEL_NAME
-from service.settings import EngineSettings, RequestLimits, ServerSettings
+from service.settings import EngineSettings, LoraModule, RequestLimits, ServerSettings
 
 MIB = 1024 * 1024
 
@@ -70,6 +70,9 @@ def test_the_environment_names_are_the_documented_ones() -> None:
         "LOG_PROMPTS",
         "DRAIN_DELAY_SECONDS",
         "ENGINE_ARGS",
+        "LORA_MODULES",
+        "MAX_LORAS",
+        "MAX_LORA_RANK",
     } <= env_names()
 
 
@@ -105,6 +108,9 @@ DOCUMENTED_DEFAULTS: dict[str, Any] = {
     "data_parallel_size": 1,
     "distributed_executor_backend": None,
     "engine_args": {},
+    "lora_modules": (),
+    "max_loras": 1,
+    "max_lora_rank": 16,
 }
 
 
@@ -140,6 +146,13 @@ def test_the_limit_defaults_are_request_limits_defaults() -> None:
         ({"TENSOR_PARALLEL_SIZE": "2"}, "tensor_parallel_size", 2),
         ({"DISTRIBUTED_EXECUTOR_BACKEND": "ray"}, "distributed_executor_backend", "ray"),
         ({"ENGINE_ARGS": '{"max_num_seqs": 4}'}, "engine_args", {"max_num_seqs": 4}),
+        (
+            {"LORA_MODULES": "sql=/adapters/sql, chat=/adapters/chat"},
+            "lora_modules",
+            (LoraModule("sql", Path("/adapters/sql")), LoraModule("chat", Path("/adapters/chat"))),
+        ),
+        ({"MAX_LORAS": "3"}, "max_loras", 3),
+        ({"MAX_LORA_RANK": "64"}, "max_lora_rank", 64),
         ({"API_KEY": "k-123"}, "api_key", "k-123"),
         ({"METRICS_PORT": "9500"}, "metrics_port", 9500),
         ({"MAX_IN_FLIGHT": "4"}, "max_in_flight", 4),
@@ -574,3 +587,68 @@ def test_settings_defaults_and_immutability() -> None:
         server.port = 1  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
         RequestLimits().max_prompts = 1  # type: ignore[misc]
+
+
+# ---- LoRA adapters
+
+
+def test_lora_modules_take_several_names_and_the_flag_wins_over_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("LORA_MODULES", "env=/adapters/env")
+    args = parse("serve", "--lora-modules", "a=/x", "b=/y,c=/z", "--max-loras", "2")
+    assert args.lora_modules == (
+        LoraModule("a", Path("/x")),
+        LoraModule("b", Path("/y")),
+        LoraModule("c", Path("/z")),
+    )
+    assert args.max_loras == 2
+
+
+@pytest.mark.parametrize("value", ["nameonly", "=/path", "name=", "a=/x,,b=/y"])
+def test_a_lora_module_that_is_not_name_equals_path_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], value: str
+) -> None:
+    err = usage_error(capsys, "serve", "--lora-modules", value)
+    assert "--lora-modules" in err and "NAME=PATH" in err
+
+
+def test_a_bad_lora_modules_environment_value_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LORA_MODULES", "sql")
+    assert "NAME=PATH" in usage_error(capsys, "serve")
+
+
+def test_run_serve_checks_the_adapters_and_passes_them_on(
+    served: list[tuple[ServerSettings, EngineSettings]],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    import service.adapters
+
+    checked: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(service.adapters, "check_adapters", lambda *args: checked.append(args))
+    args = parse(
+        "serve", "--model", str(tmp_path), "--lora-modules", "a=/x", "--max-lora-rank", "8"
+    )
+    assert cli.run_serve(args) == 0
+    engine = served[0][1]
+    assert (engine.lora_modules, engine.max_loras, engine.max_lora_rank) == (
+        (LoraModule("a", Path("/x")),),
+        1,
+        8,
+    )
+    assert checked == [(engine.lora_modules, 8, tmp_path, tmp_path.name)]
+
+
+def test_run_serve_refuses_a_bad_adapter_with_one_line_and_no_server(
+    served: list[tuple[ServerSettings, EngineSettings]],
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    args = parse("serve", "--model", str(tmp_path), "--lora-modules", f"bad={tmp_path}/none")
+    assert cli.run_serve(args) == 1
+    assert served == []
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("llm-completions: error: adapter `bad`")

@@ -1,6 +1,6 @@
-"""What this endpoint serves: the names a caller may pass as `model`, and their descriptions
-for ListModels and GetModelInfo (the OpenAI model shape, plus what a caller needs to plan a
-request)."""
+"""ListModels and GetModelInfo: the served names (the base model's and its adapters', from the
+engine's catalog) described in the OpenAI model shape, plus what a caller needs to plan a
+request."""
 
 from __future__ import annotations
 
@@ -16,33 +16,24 @@ from llmcompletions.v2.completions_pb2 import (
 )
 
 from service.engine import ServedModel
-from service.errors import ModelNotFoundError
 
 OWNED_BY = "llm-completions"
-NO_PARENT = struct_pb2.Value(null_value=struct_pb2.NULL_VALUE)  # a base model
 
 
 @dataclass(frozen=True)
-class ModelCatalog:
+class ModelListing:
     model: ServedModel
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def names(self) -> list[str]:
-        return [self.model.name]
-
-    def check_served(self, name: str) -> None:
-        """Raise ModelNotFoundError (404) unless `name` is served here."""
-        if name not in self.names():
-            raise ModelNotFoundError(name, self.names())
-
     def listing(self) -> ListModelsResponse:
-        return ListModelsResponse(object="list", data=[self.entry(name) for name in self.names()])
+        names = self.model.catalog.names
+        return ListModelsResponse(object="list", data=[self.entry(name) for name in names])
 
     def entry(self, name: str) -> Model:
         return Model(**self.described(name))
 
     def info(self, name: str) -> GetModelInfoResponse:
-        self.check_served(name)
+        self.model.catalog.resolve(name)  # 404 unless served
         defaults = struct_pb2.Struct()
         defaults.update(self.model.default_sampling)
         return GetModelInfoResponse(
@@ -51,15 +42,22 @@ class ModelCatalog:
             eos_token_ids=self.model.eos_token_ids,
             structured_outputs_backend=self.model.structured_outputs_backend,
             default_sampling=defaults,
+            adapters=list(self.model.catalog.adapters) if name == self.model.name else [],
         )
 
     def described(self, name: str) -> dict[str, Any]:
         """The fields a list entry and the model information share (the OpenAI shape)."""
+        base = self.model.catalog.base
+        parent = struct_pb2.Value()
+        if name == base:
+            parent.null_value = struct_pb2.NULL_VALUE
+        else:
+            parent.string_value = base
         return {
             "id": name,
             "object": "model",
             "created": self.created,
             "owned_by": OWNED_BY,
-            "parent": NO_PARENT,
+            "parent": parent,
             "max_model_len": self.model.max_model_len,
         }

@@ -1,0 +1,293 @@
+"""LoRA adapters by name on the real engine: each adapter's output equals vLLM's own OpenAI
+server with the same adapters, differs from the base model's, and stays its own in a batch
+mixed with the base model and other adapters; bad adapters stop the server at start-up."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from bench.servers import VllmOpenAIServer
+from tests.conftest import ENGINE_START_TIMEOUT, MODEL, SMALL_ENGINE
+from tests.helpers import CAPITAL_PROMPT
+from tests.processes import TestStack, free_port
+from tests.test_vllm_parity import assert_logprobs_close
+
+ADAPTERS = ("a1", "a2")
+SEEDS = {"a1": 1, "a2": 2}
+# lora_B scaled by this: greedy output changes from the first token yet stays text (5 was noise).
+B_SCALE = 2.0
+PROMPTS = [CAPITAL_PROMPT, "def fibonacci(n):", "Once upon a time, in a small village,"]
+STARTUP_FAILURE_SECONDS = 90
+QUICK_FAILURE_SECONDS = 45  # importing vLLM takes most of it on a busy 2-core machine
+
+
+def build_adapter(model_dir: Path, target: Path, seed: int, rank: int = 8) -> Path:
+    """A PEFT LoRA adapter on the model: seeded random weights, lora_B scaled by B_SCALE."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = LoraConfig(
+        r=rank, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+    )
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_B" in name:
+                parameter.mul_(B_SCALE)
+    peft_model.save_pretrained(target)
+    return target
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {name: build_adapter(model_dir, root / name, SEEDS[name]) for name in ADAPTERS}
+
+
+def lora_flags(adapter_dirs: dict[str, Path]) -> list[str]:
+    return ["--lora-modules", *(f"{name}={path}" for name, path in adapter_dirs.items())]
+
+
+@pytest.fixture(scope="module")
+def adapter_stack(
+    adapter_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[TestStack]:
+    running = TestStack(
+        grpc_port=free_port(),
+        http_port=free_port(),
+        admin_port=free_port(),
+        service_args=[
+            *SMALL_ENGINE,
+            *lora_flags(adapter_dirs),
+            *("--max-loras", "2", "--metrics-port", str(free_port())),
+        ],
+        service_log=tmp_path_factory.mktemp("adapter-stack") / "service.log",
+    )
+    running.start()
+    try:
+        running.wait_ready(ENGINE_START_TIMEOUT)
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest.fixture(scope="module")
+def rest(adapter_stack: TestStack) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=adapter_stack.base_url, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def vllm_server(model_dir: Path, adapter_dirs: dict[str, Path]) -> Iterator[str]:
+    """vLLM's own OpenAI server on the same model, context length and adapters."""
+    server = VllmOpenAIServer(
+        model_dir,
+        MODEL,
+        max_model_len=512,
+        kv_cache_gib=1,
+        extra_args=["--enable-lora", "--max-loras", "2", *lora_flags(adapter_dirs)],
+    )
+    try:
+        server.wait_ready()
+        yield server.base_url
+    finally:
+        server.stop()
+
+
+def completion(rest: httpx.Client, model: str, **fields: Any) -> dict[str, Any]:
+    payload = {"model": model, "temperature": 0, "max_tokens": 24, **fields}
+    response = rest.post("/v2/completions", json=payload)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def text(reply: dict[str, Any]) -> str:
+    return reply["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("adapter", ADAPTERS)
+def test_adapter_greedy_text_and_logprobs_equal_vllm_and_differ_from_base(
+    rest: httpx.Client, vllm_server: str, adapter: str, prompt: str
+) -> None:
+    request = {"model": adapter, "prompt": prompt, "max_tokens": 24, "temperature": 0}
+    request["logprobs"] = 3
+    theirs = httpx.post(f"{vllm_server}/v1/completions", json=request, timeout=120).json()
+    ours = completion(rest, **request)
+    assert ours["model"] == adapter
+    assert text(ours) == text(theirs)
+    assert_logprobs_close(ours["choices"][0]["logprobs"], theirs["choices"][0]["logprobs"])
+    assert text(ours) != text(completion(rest, MODEL, prompt=prompt))
+
+
+def test_adapter_echo_logprobs_equal_vllm(rest: httpx.Client, vllm_server: str) -> None:
+    request = {"model": "a1", "prompt": CAPITAL_PROMPT, "max_tokens": 8, "temperature": 0}
+    request.update(logprobs=2, echo=True)
+    theirs = httpx.post(f"{vllm_server}/v1/completions", json=request, timeout=120).json()
+    ours = completion(rest, **request)
+    assert text(ours) == text(theirs)
+    assert_logprobs_close(ours["choices"][0]["logprobs"], theirs["choices"][0]["logprobs"])
+
+
+def test_base_and_adapters_batched_together_each_get_their_own_output(
+    rest: httpx.Client,
+) -> None:
+    """The CPU engine bug (service/cpu_lora_fix.py): without the fix, the base model's
+    requests in a batch with adapter requests come back with an adapter's text."""
+    models = [MODEL, *ADAPTERS]
+    alone = {model: completion(rest, model, prompt=CAPITAL_PROMPT, logprobs=1) for model in models}
+    assert len({text(reply) for reply in alone.values()}) == len(models)
+    mixed = [model for _ in range(3) for model in models]
+    with ThreadPoolExecutor(len(mixed)) as pool:
+        together = list(
+            pool.map(lambda m: completion(rest, m, prompt=CAPITAL_PROMPT, logprobs=1), mixed)
+        )
+    for model, reply in zip(mixed, together, strict=True):
+        assert text(reply) == text(alone[model]), model
+        assert_logprobs_close(
+            reply["choices"][0]["logprobs"], alone[model]["choices"][0]["logprobs"]
+        )
+
+
+def streamed_text(rest: httpx.Client, model: str, **fields: Any) -> str:
+    payload = {"model": model, "temperature": 0, "max_tokens": 24, "stream": True, **fields}
+    pieces = []
+    with rest.stream("POST", "/v2/completions", json=payload) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                pieces += [choice["text"] for choice in json.loads(line[6:])["choices"]]
+    return "".join(pieces)
+
+
+def test_streaming_with_an_adapter_equals_the_whole_reply(rest: httpx.Client) -> None:
+    whole = text(completion(rest, "a2", prompt=PROMPTS[2]))
+    assert streamed_text(rest, "a2", prompt=PROMPTS[2]) == whole
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"use_beam_search": True, "n": 2, "best_of": 2, "max_tokens": 8},
+        {"n": 2, "best_of": 3, "temperature": 0.8, "seed": 7},
+        {"guided_regex": "[A-Z][a-z]+"},
+        {"guided_choice": ["yes", "no", "maybe"]},
+        {"echo": True, "max_tokens": 0},
+    ],
+)
+def test_fields_work_with_an_adapter_and_follow_it(rest: httpx.Client, fields: dict) -> None:
+    """Each field gives a well-formed reply with an adapter; run twice (seeded or greedy) it
+    gives the same, and the adapter's differs from the base model's where outputs can."""
+    first = completion(rest, "a1", prompt=CAPITAL_PROMPT, **fields)
+    again = completion(rest, "a1", prompt=CAPITAL_PROMPT, **fields)
+    assert [c["text"] for c in first["choices"]] == [c["text"] for c in again["choices"]]
+    if "guided_choice" in fields:
+        assert text(first) in fields["guided_choice"]
+    if fields.get("use_beam_search"):
+        base = completion(rest, MODEL, prompt=CAPITAL_PROMPT, **fields)
+        assert [c["text"] for c in first["choices"]] != [c["text"] for c in base["choices"]]
+
+
+def test_an_unknown_model_is_404_listing_the_served_names(rest: httpx.Client) -> None:
+    response = rest.post("/v2/completions", json={"model": "a3", "prompt": "Hi"})
+    assert response.status_code == 404
+    message = response.text
+    for name in (MODEL, *ADAPTERS):
+        assert f"`{name}`" in message
+
+
+# ---- start-up failures: no engine is started, the process exits with one line
+
+
+def serve_and_fail(*flags: str) -> tuple[int, str, float]:
+    started = time.monotonic()
+    command = [sys.executable, "-m", "service", "serve", "--port", str(free_port())]
+    finished = subprocess.run(
+        [*command, *SMALL_ENGINE, "--metrics-port", str(free_port()), *flags],
+        capture_output=True,
+        text=True,
+        timeout=STARTUP_FAILURE_SECONDS,
+    )
+    return finished.returncode, finished.stderr, time.monotonic() - started
+
+
+def error_lines(stderr: str) -> list[str]:
+    """The service's error lines; the last line of its output must be one."""
+    lines = stderr.splitlines()
+    assert lines and lines[-1].startswith("llm-completions: error:"), stderr
+    return [line for line in lines if line.startswith("llm-completions: error:")]
+
+
+def test_a_bad_adapter_path_fails_start_up_naming_it(tmp_path: Path) -> None:
+    code, stderr, seconds = serve_and_fail("--lora-modules", f"broken={tmp_path / 'missing'}")
+    assert code != 0
+    assert seconds < QUICK_FAILURE_SECONDS  # before any engine starts
+    assert len(error_lines(stderr)) == 1, stderr
+    assert "`broken`" in error_lines(stderr)[0]
+    assert "engine" not in stderr.lower()
+
+
+def test_an_adapter_over_max_lora_rank_fails_start_up_naming_it(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    wide = build_adapter(model_dir, tmp_path / "wide", seed=3, rank=16)
+    code, stderr, _ = serve_and_fail("--lora-modules", f"wide={wide}", "--max-lora-rank", "8")
+    assert code != 0
+    [line] = error_lines(stderr)
+    assert "`wide`" in line and "16" in line and "--max-lora-rank 8" in line
+
+
+def test_an_adapter_of_another_base_model_fails_start_up_naming_it(
+    adapter_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    other = tmp_path / "other"
+    other.mkdir()
+    config = json.loads((adapter_dirs["a1"] / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = "meta-llama/Llama-3.2-1B"
+    (other / "adapter_config.json").write_text(json.dumps(config))
+    (other / "adapter_model.safetensors").write_bytes(
+        (adapter_dirs["a1"] / "adapter_model.safetensors").read_bytes()
+    )
+    code, stderr, _ = serve_and_fail("--lora-modules", f"other={other}")
+    assert code != 0
+    [line] = error_lines(stderr)
+    assert "`other`" in line and "Llama-3.2-1B" in line
+
+
+def test_adapters_are_listed_with_their_base_model_as_parent(
+    rest: httpx.Client, adapter_stack: TestStack
+) -> None:
+    client = openai.OpenAI(base_url=f"{adapter_stack.base_url}/v2", api_key="unused")
+    listed = {model.id: model for model in client.models.list()}
+    assert list(listed) == [MODEL, *ADAPTERS]
+    assert listed[MODEL].parent is None  # type: ignore[attr-defined]
+    assert all(listed[name].parent == MODEL for name in ADAPTERS)  # type: ignore[attr-defined]
+    assert client.models.retrieve("a1").id == "a1"
+    info = rest.get(f"/v2/models/{MODEL}").json()
+    assert info["adapters"] == list(ADAPTERS)
+    assert rest.get("/v2/models/a2").json()["parent"] == MODEL
+
+
+def test_an_adapter_tokenizes_as_its_base_model(rest: httpx.Client) -> None:
+    counts = [
+        rest.post("/v2/tokenize", json={"model": name, "prompt": CAPITAL_PROMPT}).json()["count"]
+        for name in (MODEL, *ADAPTERS)
+    ]
+    assert (
+        counts[0]
+        == completion(rest, "a1", prompt=CAPITAL_PROMPT, max_tokens=1)["usage"]["prompt_tokens"]
+    )
+    assert len(set(counts)) == 1
