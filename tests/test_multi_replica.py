@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -68,6 +69,23 @@ def health_check_pace() -> float:
 JOIN_WITHIN = health_check_pace() + 1.0
 
 
+def stable_port() -> int:
+    """A free port below the kernel's ephemeral range. `free_port` picks one inside it, where
+    any outgoing connection on this busy host can take it as its local port before a replica
+    listens on it, or between a replica's exit and its restart (seen: the metrics port then
+    fails with "Address already in use")."""
+    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(100):
+        port = random.randrange(max(1024, ephemeral_low - 12000), ephemeral_low)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    return free_port()
+
+
 @dataclass
 class Replica:
     """One service replica, restartable on the same ports; logs JSON lines."""
@@ -78,9 +96,9 @@ class Replica:
 
     @classmethod
     def new(cls, log: Path) -> Replica:
-        metrics_port = free_port()
+        metrics_port = stable_port()
         stack = TestStack(
-            grpc_port=free_port(),
+            grpc_port=stable_port(),
             service_args=[
                 *SMALL_ENGINE,
                 "--metrics-port",
@@ -105,6 +123,12 @@ class Replica:
 
     def start(self) -> None:
         self.stack.start(with_envoy=False)
+
+    def assert_running(self) -> None:
+        code = self.process.poll()
+        if code is not None:
+            tail = self.log.read_text(errors="replace").splitlines()[-15:]
+            raise AssertionError(f"{self.host} exited with code {code}:\n" + "\n".join(tail))
 
     def count(self, code: str) -> float:
         return sample(
@@ -293,8 +317,15 @@ class Watcher:
                 hosts.setdefault(parts[1], {})[parts[2]] = parts[3]
         return hosts
 
-    def wait_for(self, condition: Callable[[Sample], bool], after: float, timeout: float) -> Sample:
-        """The first sample taken at or after `after` that meets `condition`."""
+    def wait_for(
+        self,
+        condition: Callable[[Sample], bool],
+        after: float,
+        timeout: float,
+        running: Sequence[Replica] = (),
+    ) -> Sample:
+        """The first sample taken at or after `after` that meets `condition`; fails at once if
+        one of the `running` replicas exits meanwhile."""
         deadline = time.time() + timeout
         checked = 0
         while True:
@@ -303,6 +334,8 @@ class Watcher:
                 if samples[index].at >= after and condition(samples[index]):
                     return samples[index]
             checked = len(samples)
+            for replica in running:
+                replica.assert_running()
             assert time.time() < deadline, f"not within {timeout:.0f}s: {samples[-3:]}"
             time.sleep(POLL / 2)
 
@@ -326,14 +359,16 @@ class Cluster:
         return sum(int(line.rsplit(":", 1)[1]) for line in text.splitlines() if ":" in line)
 
     def wait_both_in_rotation(self, after: float = 0.0) -> Sample:
-        return self.watcher.wait_for(lambda s: all(s.healthy), after, ENGINE_START_TIMEOUT)
+        return self.watcher.wait_for(
+            lambda s: all(s.healthy), after, ENGINE_START_TIMEOUT, running=self.replicas
+        )
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[Cluster]:
     logs = tmp_path_factory.mktemp("replicas")
     replicas = [Replica.new(logs / f"replica-{i}.log") for i in range(2)]
-    http_port, admin_port = free_port(), free_port()
+    http_port, admin_port = stable_port(), stable_port()
     command = [
         sys.executable,
         "-m",
@@ -398,7 +433,10 @@ def test_replicas_join_rotation_within_seconds_of_serving(cluster: Cluster) -> N
     joins = []
     for index, replica in enumerate(cluster.replicas):
         serving = cluster.watcher.wait_for(
-            lambda s, i=index: s.serving[i], cluster.started, ENGINE_START_TIMEOUT
+            lambda s, i=index: s.serving[i],
+            cluster.started,
+            ENGINE_START_TIMEOUT,
+            running=[replica],
         )
         joined = cluster.watcher.wait_for(lambda s, i=index: s.healthy[i], cluster.started, 30)
         routed = cluster.watcher.wait_for(lambda s, i=index: s.routed[i] > 0, cluster.started, 30)
@@ -483,7 +521,9 @@ def test_a_restarted_replica_rejoins_within_seconds_of_serving(cluster: Cluster)
     assert replica.process.poll() is not None, "drained by the test before"
     restarted = time.time()
     replica.start()  # the same gRPC and metrics ports: the drained process released them
-    serving = cluster.watcher.wait_for(lambda s: s.serving[0], restarted, ENGINE_START_TIMEOUT)
+    serving = cluster.watcher.wait_for(
+        lambda s: s.serving[0], restarted, ENGINE_START_TIMEOUT, running=[replica]
+    )
     joined = cluster.watcher.wait_for(lambda s: s.healthy[0], restarted, 30)
     routed_before = cluster.watcher.wait_for(lambda s: True, restarted, 5).routed[0]
     routed = cluster.watcher.wait_for(lambda s: s.routed[0] > routed_before, restarted, 30)
@@ -505,7 +545,9 @@ def test_a_restarted_replica_rejoins_within_seconds_of_serving(cluster: Cluster)
 
 def test_a_killed_replica_costs_only_the_requests_in_flight_on_it(cluster: Cluster) -> None:
     cluster.wait_both_in_rotation()
-    victim = cluster.watcher.wait_for(lambda s: s.active[1] > 0, time.time(), 30)
+    victim = cluster.watcher.wait_for(
+        lambda s: s.active[1] > 0, time.time(), 30, running=cluster.replicas
+    )
     in_flight = cluster.watcher.hosts()[cluster.replicas[1].host]["rq_active"]
     killed = time.time()
     cluster.replicas[1].kill()
