@@ -82,3 +82,26 @@ def test_health_reports_serving_without_a_key(stack: TestStack) -> None:
         for service in ("", "llmcompletions.v2.CompletionService"):
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_grpcurl_calls_every_model_and_token_rpc_through_reflection(stack: TestStack) -> None:
+    auth = ("-H", f"authorization: Bearer {API_KEY}")
+    calls = {
+        "ListModels": {},
+        "GetModelInfo": {"model": MODEL},
+        "Tokenize": {"model": MODEL, "prompt": CAPITAL_PROMPT},
+        "Detokenize": {"model": MODEL, "tokens": [504, 3575]},
+    }
+    replies = {}
+    for method, payload in calls.items():
+        called = grpcurl(
+            stack,
+            f"llmcompletions.v2.CompletionService/{method}",
+            options=(*auth, "-d", json.dumps(payload)),
+        )
+        assert called.returncode == 0, (method, called.stderr)
+        replies[method] = json.loads(called.stdout)
+    assert [model["id"] for model in replies["ListModels"]["data"]] == [MODEL]
+    assert replies["GetModelInfo"]["vocab_size"] == 49152
+    assert replies["Tokenize"]["count"] == len(replies["Tokenize"]["tokens"]) > 0
+    assert replies["Detokenize"]["prompt"]
