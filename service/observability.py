@@ -15,6 +15,8 @@ from llmcompletions.v2.completions_pb2 import CreateCompletionResponse
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 from vllm.v1.engine.async_llm import AsyncLLM
 
+from service.rest_bridge import END_OF_EVENTS
+
 logger = logging.getLogger("service.requests")
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
@@ -79,7 +81,7 @@ class RequestRecord:
     output: str = ""
 
     def message_sent(self, message: CreateCompletionResponse) -> None:
-        if message.ByteSize() == 0:
+        if message is END_OF_EVENTS:
             return  # the REST event stream's end sentinel: no content
         now = time.monotonic()
         if self.prompts is not None:

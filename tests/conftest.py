@@ -60,12 +60,8 @@ def stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         service_module="tests.fault_injection",  # the real engine, failing on request
         service_log=tmp_path_factory.mktemp("stack") / "service.log",
     )
-    running.start()
-    try:
-        running.wait_ready(ENGINE_START_TIMEOUT)
+    with running.running(ENGINE_START_TIMEOUT):
         yield running
-    finally:
-        running.stop()
 
 
 @pytest.fixture(scope="session")

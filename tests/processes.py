@@ -4,8 +4,10 @@ service alone."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,16 @@ class TestStack(Stack):
             "stderr": subprocess.STDOUT if log else None,
             "cwd": self.source,  # `python -m` imports from the working directory first
         }
+
+    @contextlib.contextmanager
+    def running(self, timeout: float) -> Iterator[TestStack]:
+        """Started and ready (the service SERVING, Envoy routing to it) until the block ends."""
+        self.start()
+        try:
+            self.wait_ready(timeout)
+            yield self
+        finally:
+            self.stop()
 
     def wait_ready_service(self, timeout: float) -> None:
         """Block until the service reports SERVING (for a stack without Envoy)."""

@@ -76,12 +76,8 @@ def adapter_stack(
         ],
         service_log=tmp_path_factory.mktemp("adapter-stack") / "service.log",
     )
-    running.start()
-    try:
-        running.wait_ready(ENGINE_START_TIMEOUT)
+    with running.running(ENGINE_START_TIMEOUT):
         yield running
-    finally:
-        running.stop()
 
 
 @pytest.fixture(scope="module")
