@@ -20,6 +20,11 @@ REQUEST_ID_HEADER = "x-request-id"
 # Accepted from callers as is; anything else is replaced, so ids stay safe to log and echo.
 ACCEPTABLE_ID = re.compile(r"^[A-Za-z0-9._:/+=-]{1,128}$")
 
+# A client cancels its call when its own deadline passes, which is a little before the
+# server's copy of that deadline (the timeout is counted from when the call arrived here).
+# A cancellation this close to the deadline is the deadline's.
+DEADLINE_SLACK_SECONDS = 0.5
+
 _current: contextvars.ContextVar[RequestRecord] = contextvars.ContextVar("request_record")
 
 
@@ -42,7 +47,8 @@ def ended_code(context: grpc.aio.ServicerContext) -> str:
     if isinstance(code, grpc.StatusCode):
         return code.name
     remaining = context.time_remaining()
-    return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+    expired = remaining is not None and remaining <= DEADLINE_SLACK_SECONDS
+    return "DEADLINE_EXCEEDED" if expired else "CANCELLED"
 
 
 class RequestContextInterceptor(StreamInterceptor):

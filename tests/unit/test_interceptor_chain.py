@@ -127,15 +127,28 @@ def test_an_error_after_output_travels_in_band_then_ends_the_call() -> None:
     assert context.status == grpc.StatusCode.NOT_FOUND
 
 
-def test_a_call_past_its_deadline_is_recorded_as_expired() -> None:
-    async def expires(request: Any, context: Any) -> AsyncIterator[CreateCompletionResponse]:
-        raise asyncio.CancelledError
-        yield CHUNK
+async def cancelled(request: Any, context: Any) -> AsyncIterator[CreateCompletionResponse]:
+    raise asyncio.CancelledError
+    yield CHUNK
 
-    before = counted("DEADLINE_EXCEEDED")
+
+@pytest.mark.parametrize(
+    ("remaining", "code"),
+    [
+        (-0.1, "DEADLINE_EXCEEDED"),
+        # The client's deadline passes a little before the server's copy of it.
+        (0.2, "DEADLINE_EXCEEDED"),
+        (5.0, "CANCELLED"),
+    ],
+)
+def test_a_cancelled_call_is_recorded_as_expired_only_at_its_deadline(
+    remaining: float, code: str
+) -> None:
+    before = counted(code)
     with pytest.raises(asyncio.CancelledError):
-        asyncio.run(drain(chain(expires), CreateCompletionRequest(), FakeContext(remaining=0)))
-    assert counted("DEADLINE_EXCEEDED") == before + 1
+        context = FakeContext(remaining=remaining)
+        asyncio.run(drain(chain(cancelled), CreateCompletionRequest(), context))
+    assert counted(code) == before + 1
 
 
 def test_admission_refuses_past_its_limits_and_the_refusal_is_counted() -> None:
