@@ -1,6 +1,7 @@
 """Start Envoy with envoy.yaml, set to the given ports, limits and upstream gRPC service.
 
 Usage: python -m facade.launch [--http-port PORT] [--admin-port PORT] [--upstream HOST:PORT ...]
+       python -m facade.launch [...] --pool NAME=HOST:PORT[,HOST:PORT...] --pool ...
 """
 
 from __future__ import annotations
@@ -12,16 +13,21 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
+from llmcompletions.v2 import completions_pb2
 
+from facade.pools import Pool, PoolError, discover, listing_header, parse_pool
+from service.endpoint_models import ENDPOINT_MODELS_HEADER
 from service.settings import ServerSettings
 
 FACADE_DIR = Path(__file__).resolve().parent
 ENVOY_TEMPLATE = FACADE_DIR.parent / "envoy.yaml"
 LUA_FILE = FACADE_DIR / "completions.lua"
+ROUTING_LUA_FILE = FACADE_DIR / "routing.lua"
 DESCRIPTOR_FILE = FACADE_DIR / "completions.pb"
 OPENAPI_FILE = FACADE_DIR / "openapi.json"
 TEMPLATE = yaml.safe_load(ENVOY_TEMPLATE.read_text())
@@ -35,6 +41,10 @@ DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_REPLY_BYTES = 64 * 1024 * 1024
 MAX_REPLY_HEADER = "x-max-reply-bytes"
 # Operators' debugging aid, off by default: which replica served a call, and how long it took.
+DEFAULT_DISCOVERY_TIMEOUT = 1800.0  # pools may still be loading large models
+ANY_POOL_CLUSTER = "any_pool"
+MODEL_HEADER = "x-model"
+TRANSCODER = "envoy.filters.http.grpc_json_transcoder"
 DEBUG_HEADERS = [
     {"header": {"key": "x-upstream-host", "value": "%UPSTREAM_REMOTE_ADDRESS%"}},
     {"header": {"key": "x-upstream-service-time", "value": "%RESPONSE_DURATION%"}},
@@ -109,14 +119,117 @@ def render_config(
         body = route.get("direct_response", {}).get("body", {})
         if "filename" in body:
             body["filename"] = str(OPENAPI_FILE)
-    cluster = config["static_resources"]["clusters"][0]
-    if any(not is_ip_address(host) for host, _ in upstreams):
+    set_endpoints(config["static_resources"]["clusters"][0], upstreams)
+    return config
+
+
+def set_endpoints(cluster: dict[str, Any], addresses: Sequence[tuple[str, int]]) -> None:
+    if any(not is_ip_address(host) for host, _ in addresses):
         cluster["type"] = "STRICT_DNS"  # e.g. a headless Service: every address it resolves to
     cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
         {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}
-        for host, port in upstreams
+        for host, port in addresses
     ]
-    return config
+
+
+def methods_with_model() -> list[str]:
+    """The fully qualified methods whose request names a model, from the proto."""
+    service = completions_pb2.DESCRIPTOR.services_by_name["CompletionService"]
+    return [
+        method.full_name
+        for method in service.methods
+        if "model" in method.input_type.fields_by_name
+    ]
+
+
+def pool_cluster(
+    template: dict[str, Any], name: str, addresses: Sequence[tuple[str, int]]
+) -> dict[str, Any]:
+    """A pool's cluster: the template's balancing, health checks and outlier detection."""
+    cluster = copy.deepcopy(template)
+    cluster["name"] = cluster["load_assignment"]["cluster_name"] = name
+    set_endpoints(cluster, addresses)
+    return cluster
+
+
+def any_pool_cluster(pools: Sequence[Pool]) -> dict[str, Any]:
+    """The pools in order, each taking over when those before it have no healthy replica."""
+    return {
+        "name": ANY_POOL_CLUSTER,
+        "connect_timeout": "5s",
+        "lb_policy": "CLUSTER_PROVIDED",
+        "cluster_type": {
+            "name": "envoy.clusters.aggregate",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.clusters.aggregate.v3.ClusterConfig",
+                "clusters": [pool.cluster for pool in pools],
+            },
+        },
+    }
+
+
+def model_route(template: dict[str, Any], model: str, cluster: str) -> dict[str, Any]:
+    route = copy.deepcopy(template)
+    route["match"]["headers"] = [
+        *route["match"]["headers"],
+        {"name": MODEL_HEADER, "string_match": {"exact": model}},
+    ]
+    route["route"]["cluster"] = cluster
+    return route
+
+
+def any_pool_route(template: dict[str, Any], listing: str) -> dict[str, Any]:
+    """Calls no pool owns: ListModels and names no pool serves. The replica that answers
+    lists (or names in its 404) every pool's models, from the listing passed with the call."""
+    route = copy.deepcopy(template)
+    route["route"]["cluster"] = ANY_POOL_CLUSTER
+    route["request_headers_to_add"] = [
+        *route["request_headers_to_add"],
+        {
+            "header": {"key": ENDPOINT_MODELS_HEADER, "value": listing},
+            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+        },
+    ]
+    return route
+
+
+def route_by_model(config: dict[str, Any], pools: Sequence[Pool], listing: str) -> None:
+    """One cluster per pool, and each call routed to the pool that serves its `model`: Envoy
+    reads the field from the request message (REST bodies are transcoded by then)."""
+    clusters = config["static_resources"]["clusters"]
+    template = clusters[0]
+    clusters[:] = [
+        *(pool_cluster(template, pool.cluster, pool.addresses) for pool in pools),
+        any_pool_cluster(pools),
+    ]
+    grpc = grpc_route(config)
+    by_model = [model_route(grpc, model, pool.cluster) for pool in pools for model in pool.models]
+    all_routes = routes(config)
+    index = all_routes.index(grpc)
+    all_routes[index : index + 1] = [*by_model, any_pool_route(grpc, listing)]
+    filters = http_filters(config)
+    after_transcoder = [f["name"] for f in filters].index(TRANSCODER) + 1
+    filters[after_transcoder:after_transcoder] = [
+        {
+            "name": "envoy.filters.http.grpc_field_extraction",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http."
+                "grpc_field_extraction.v3.GrpcFieldExtractionConfig",
+                "descriptor_set": {"filename": str(DESCRIPTOR_FILE)},
+                "extractions_by_method": {
+                    method: {"request_field_extractions": {"model": {}}}
+                    for method in methods_with_model()
+                },
+            },
+        },
+        {
+            "name": "llmcompletions.route_by_model",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
+                "default_source_code": {"filename": str(ROUTING_LUA_FILE)},
+            },
+        },
+    ]
 
 
 def write_config(config: dict[str, Any]) -> Path:
@@ -151,6 +264,10 @@ def positive_int(text: str) -> int:
     return value
 
 
+def log(message: str) -> None:
+    print(f"envoy: {message}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--http-port", type=int, default=from_env("HTTP_PORT", DEFAULT_HTTP_PORT))
@@ -162,6 +279,20 @@ def main() -> None:
         type=parse_address,
         action="append",
         help="gRPC service HOST:PORT; repeat for several replicas (default 127.0.0.1:$GRPC_PORT)",
+    )
+    parser.add_argument(
+        "--pool",
+        type=lambda text: parse_pool(text, parse_address),
+        action="append",
+        help="NAME=HOST:PORT[,HOST:PORT...]: replicas serving the base model NAME (its served "
+        "name) and its adapters; repeat for each base model, and each call goes to the pool "
+        "serving its `model` (env POOLS, space-separated)",
+    )
+    parser.add_argument(
+        "--discovery-timeout",
+        type=float,
+        default=from_env("DISCOVERY_TIMEOUT", DEFAULT_DISCOVERY_TIMEOUT),
+        help="with --pool: how long to wait for each pool to answer ListModels (seconds)",
     )
     parser.add_argument(
         "--max-request-bytes",
@@ -197,10 +328,15 @@ def main() -> None:
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args()
     try:
+        pools = args.pool or [
+            parse_pool(text, parse_address) for text in os.environ.get("POOLS", "").split()
+        ]
         grpc_port = from_env("GRPC_PORT", ServerSettings.port)
         upstreams = args.upstream or [parse_address(f"127.0.0.1:{grpc_port}")]
     except argparse.ArgumentTypeError as error:
-        parser.error(f"GRPC_PORT: {error}")
+        parser.error(f"POOLS or GRPC_PORT: {error}")
+    if pools and args.upstream:
+        parser.error("give either --upstream (one pool) or --pool (several), not both")
     config = render_config(
         args.http_port,
         args.admin_port,
@@ -210,9 +346,16 @@ def main() -> None:
         max_reply_bytes=args.max_reply_bytes,
         debug_headers=args.debug_headers,
     )
+    if pools:
+        try:
+            pools, listing = discover(pools, os.environ.get("API_KEY"), args.discovery_timeout, log)
+            route_by_model(config, pools, listing_header(listing))
+        except PoolError as error:
+            sys.exit(f"envoy: {error}")
+        upstreams = [address for pool in pools for address in pool.addresses]
     config_path = write_config(config)
     command = envoy_command(config_path, args.log_level, args.concurrency)
-    print(f"envoy: REST on {args.listen_host}:{args.http_port} -> gRPC {upstreams}", flush=True)
+    log(f"REST on {args.listen_host}:{args.http_port} -> gRPC {upstreams}")
     os.execv(command[0], command)
 
 

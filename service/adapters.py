@@ -14,7 +14,7 @@ from vllm.config.lora import MaxLoRARanks
 from vllm.lora.request import LoRARequest
 from vllm.v1.engine.async_llm import AsyncLLM
 
-from service import cpu_lora_fix
+from service import cpu_lora_fix, endpoint_models
 from service.errors import ModelNotFoundError, quote
 from service.settings import EngineSettings, LoraModule
 
@@ -57,7 +57,7 @@ class ModelCatalog:
             return self.base_adapter
         if requested in self.adapters:
             return self.adapters[requested]
-        raise ModelNotFoundError(requested, self.names)
+        raise ModelNotFoundError(requested, endpoint_models.served_names(self.names))
 
     def engine_adapters(self) -> list[LoRARequest]:
         """Every adapter the engine loads, the stand-in for the base model included."""

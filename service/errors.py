@@ -152,8 +152,8 @@ class ModelNotFoundError(CompletionError):
 
     def __init__(self, requested: str, served: Sequence[str]) -> None:
         super().__init__(
-            f"The model {quote(requested, MAX_QUOTED_NAME_CHARS)} does not exist; this server "
-            f"serves {quoted_list(served, MAX_SERVED_NAMES_BYTES)}."
+            f"The model {quote(requested, MAX_QUOTED_NAME_CHARS)} does not exist; the served "
+            f"models are {quoted_list(served, MAX_SERVED_NAMES_BYTES)}."
         )
 
 

@@ -1,5 +1,6 @@
 """The outermost interceptor: every call gets a request id and a record, and is counted and
-logged once with its true final status, whether it was served, refused or expired."""
+logged once with its true final status, whether it was served, refused or expired. It also
+binds what the facade passed about the endpoint's models (`service.endpoint_models`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import grpc
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
+from service import endpoint_models
 from service.interception import StreamBehaviour, StreamInterceptor
 from service.observability import RequestRecord
 
@@ -65,6 +67,7 @@ class RequestContextInterceptor(StreamInterceptor):
     ) -> AsyncIterator[Message]:
         record = self.record(method, request, context)
         token = _current.set(record)
+        endpoint = endpoint_models.bind(context)
         code = "UNKNOWN"
         try:
             async for message in inner(request, context):
@@ -76,6 +79,7 @@ class RequestContextInterceptor(StreamInterceptor):
             raise
         finally:
             record.finish(code)
+            endpoint_models.unbind(endpoint)
             _current.reset(token)
 
     def record(

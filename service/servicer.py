@@ -22,6 +22,7 @@ from llmcompletions.v2.completions_pb2 import (
     TokenizeResponse,
 )
 
+from service import endpoint_models
 from service.completions import CompletionHandler
 from service.errors import EngineUnavailableError
 from service.model_listing import ModelListing
@@ -51,7 +52,8 @@ class CompletionServicer(completions_pb2_grpc.CompletionServiceServicer):
     async def ListModels(
         self, request: ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> ListModelsResponse:
-        return self.serving().models.listing()
+        # Behind a facade with several pools, every pool's models (the facade passes them).
+        return endpoint_models.endpoint_listing() or self.serving().models.listing()
 
     async def GetModelInfo(
         self, request: GetModelInfoRequest, context: grpc.aio.ServicerContext

@@ -83,7 +83,7 @@ def test_an_unknown_name_is_not_found_listing_the_served_names() -> None:
     with pytest.raises(ModelNotFoundError) as caught:
         catalog("sql", "chat").resolve("nope")
     assert caught.value.message == (
-        f"The model `nope` does not exist; this server serves `{BASE}`, `sql`, `chat`."
+        f"The model `nope` does not exist; the served models are `{BASE}`, `sql`, `chat`."
     )
 
 
