@@ -19,11 +19,23 @@ EXIT_SECONDS = 1.0
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 
 
+TWO_MODELS = DEPLOY / "two-models"
+
+
+def manifests(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.glob("*.yaml") if p.name != "kustomization.yaml")
+
+
+def kustomization(directory: Path) -> dict[str, Any]:
+    return yaml.safe_load((directory / "kustomization.yaml").read_text())
+
+
 def documents() -> list[dict[str, Any]]:
+    """The manifests of deploy/ (one model), from its bases."""
     return [
         document
-        for path in sorted(DEPLOY.glob("*.yaml"))
-        if path.name != "kustomization.yaml"
+        for base in kustomization(DEPLOY)["resources"]
+        for path in manifests(DEPLOY / base)
         for document in yaml.safe_load_all(path.read_text())
     ]
 
@@ -47,11 +59,11 @@ def service_defaults() -> Any:
     return build_parser().parse_args(["serve"])
 
 
-def test_kustomization_lists_every_manifest() -> None:
-    listed = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())["resources"]
-    assert sorted(listed) == sorted(
-        p.name for p in DEPLOY.glob("*.yaml") if p.name != "kustomization.yaml"
-    )
+@pytest.mark.parametrize("base", ["model", "envoy"])
+def test_kustomization_lists_every_manifest(base: str) -> None:
+    assert base in kustomization(DEPLOY)["resources"]
+    listed = kustomization(DEPLOY / base)["resources"]
+    assert sorted(listed) == [p.name for p in manifests(DEPLOY / base)]
 
 
 def test_service_ports_and_probes_match_the_service() -> None:
@@ -137,3 +149,42 @@ def test_a_hostname_upstream_is_resolved_with_dns(upstream: str) -> None:
     cluster = config["static_resources"]["clusters"][0]
     assert cluster["type"] == "STRICT_DNS"
     assert config["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
+
+
+def patched(directory: Path, kind: str) -> list[dict[str, Any]]:
+    """The JSON patch operations a kustomization applies to its `kind`."""
+    (patch,) = [p for p in kustomization(directory)["patches"] if p["target"]["kind"] == kind]
+    return yaml.safe_load(patch["patch"])
+
+
+def env_index(name: str) -> int:
+    names = [item["name"] for item in container(find("Deployment", "llm-completions"))["env"]]
+    return names.index(name)
+
+
+def test_two_models_are_two_pools_behind_one_envoy() -> None:
+    """deploy/two-models: each model's overlay sets its own model and served name (at the
+    indices the base has them), and Envoy's pools are those served names, each at its own
+    model's headless Service on the service's port."""
+    overlays = [r for r in kustomization(TWO_MODELS)["resources"] if not r.startswith("..")]
+    served = {}
+    for overlay in overlays:
+        settings = kustomization(TWO_MODELS / overlay)
+        assert settings["resources"] == ["../../model"]
+        assert settings["labels"][0]["includeSelectors"]  # each headless Service its own pods
+        values = {op["path"]: op["value"] for op in patched(TWO_MODELS / overlay, "Deployment")}
+        env_path = "/spec/template/spec/containers/0/env/{}"
+        assert values[env_path.format(env_index("MODEL"))]["name"] == "MODEL"
+        name = values[env_path.format(env_index("SERVED_MODEL_NAME"))]
+        assert name["name"] == "SERVED_MODEL_NAME"
+        served[name["value"]] = f"llm-completions-headless{settings['nameSuffix']}"
+    envoy_args = container(find("Deployment", "llm-completions-envoy"))["args"]
+    operations = patched(TWO_MODELS, "Deployment")
+    replaced = operations[0]["path"].rsplit("/", 1)[1]
+    assert envoy_args[int(replaced)].startswith("--upstream=")  # one pool becomes several
+    pools = [op["value"].removeprefix("--pool=") for op in operations if "args" in op["path"]]
+    grpc_port = service_defaults().port
+    assert {name: parse_address(address) for name, address in (p.split("=") for p in pools)} == {
+        name: (f"{service}.default.svc.cluster.local", grpc_port)
+        for name, service in served.items()
+    }

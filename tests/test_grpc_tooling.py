@@ -19,15 +19,15 @@ GRPCURL = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl"
 
 
 def grpcurl(
-    stack: TestStack, *command: str, options: tuple[str, ...] = ()
+    target: str, *command: str, options: tuple[str, ...] = ()
 ) -> subprocess.CompletedProcess[str]:
     """`grpcurl -plaintext [options] ADDRESS command...`"""
-    full = [GRPCURL, "-plaintext", *options, stack.grpc_target, *command]
+    full = [GRPCURL, "-plaintext", *options, target, *command]
     return subprocess.run(full, capture_output=True, text=True, timeout=120)
 
 
 def test_grpcurl_lists_services_without_a_key(stack: TestStack) -> None:
-    listed = grpcurl(stack, "list")
+    listed = grpcurl(stack.grpc_target, "list")
     assert listed.returncode == 0, listed.stderr
     assert set(listed.stdout.split()) >= {
         "llmcompletions.v2.CompletionService",
@@ -36,10 +36,10 @@ def test_grpcurl_lists_services_without_a_key(stack: TestStack) -> None:
 
 
 def test_grpcurl_describes_the_method_and_request(stack: TestStack) -> None:
-    method = grpcurl(stack, "describe", "llmcompletions.v2.CompletionService")
+    method = grpcurl(stack.grpc_target, "describe", "llmcompletions.v2.CompletionService")
     assert method.returncode == 0, method.stderr
     assert "returns ( stream .llmcompletions.v2.CreateCompletionResponse )" in method.stdout
-    request = grpcurl(stack, "describe", "llmcompletions.v2.CreateCompletionRequest")
+    request = grpcurl(stack.grpc_target, "describe", "llmcompletions.v2.CreateCompletionRequest")
     assert "google.protobuf.Value prompt" in request.stdout
     assert "optional double temperature" in request.stdout
 
@@ -55,7 +55,7 @@ def test_grpcurl_streams_a_completion(stack: TestStack) -> None:
         }
     )
     called = grpcurl(
-        stack,
+        stack.grpc_target,
         "llmcompletions.v2.CompletionService/CreateCompletion",
         options=("-H", f"authorization: Bearer {API_KEY}", "-d", payload),
     )
@@ -70,7 +70,9 @@ def test_grpcurl_streams_a_completion(stack: TestStack) -> None:
 def test_grpcurl_without_a_key_is_unauthenticated(stack: TestStack) -> None:
     payload = json.dumps({"model": MODEL, "prompt": CAPITAL_PROMPT})
     called = grpcurl(
-        stack, "llmcompletions.v2.CompletionService/CreateCompletion", options=("-d", payload)
+        stack.grpc_target,
+        "llmcompletions.v2.CompletionService/CreateCompletion",
+        options=("-d", payload),
     )
     assert called.returncode != 0
     assert "Unauthenticated" in called.stderr
@@ -95,7 +97,7 @@ def test_grpcurl_calls_every_model_and_token_rpc_through_reflection(stack: TestS
     replies = {}
     for method, payload in calls.items():
         called = grpcurl(
-            stack,
+            stack.grpc_target,
             f"llmcompletions.v2.CompletionService/{method}",
             options=(*auth, "-d", json.dumps(payload)),
         )
@@ -105,3 +107,19 @@ def test_grpcurl_calls_every_model_and_token_rpc_through_reflection(stack: TestS
     assert replies["GetModelInfo"]["vocab_size"] == 49152
     assert replies["Tokenize"]["count"] == len(replies["Tokenize"]["tokens"]) > 0
     assert replies["Detokenize"]["prompt"]
+
+
+def test_grpcurl_works_through_envoy_as_against_the_service(stack: TestStack) -> None:
+    # Reflection is a stream the client never closes: Envoy must not wait for its end.
+    through_envoy = f"127.0.0.1:{stack.http_port}"
+    listed = grpcurl(through_envoy, "list")
+    assert listed.returncode == 0, listed.stderr
+    assert "llmcompletions.v2.CompletionService" in listed.stdout.split()
+    payload = json.dumps({"model": MODEL, "prompt": CAPITAL_PROMPT, "max_tokens": 4})
+    called = grpcurl(
+        through_envoy,
+        "llmcompletions.v2.CompletionService/CreateCompletion",
+        options=("-H", f"authorization: Bearer {API_KEY}", "-d", payload),
+    )
+    assert called.returncode == 0, called.stderr
+    assert json.loads(called.stdout)["usage"]["completion_tokens"] == 4

@@ -1,0 +1,132 @@
+"""The facade's configuration for several pools, and what a replica makes of the endpoint's
+listing that Envoy passes: no engine, no Envoy."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+from typing import Any
+
+import pytest
+from llmcompletions.v2.completions_pb2 import ListModelsResponse, Model
+
+from facade import launch
+from facade.pools import Pool, PoolError, checked, listing_header, parse_pool
+from service import endpoint_models
+
+
+def pools() -> list[Pool]:
+    return [
+        Pool("alpha", (("10.0.0.1", 50051), ("10.0.0.2", 50051)), ("alpha",)),
+        Pool("beta", (("beta-pool", 50051),), ("beta", "beta-sql")),
+    ]
+
+
+def listing(*names: str) -> ListModelsResponse:
+    return ListModelsResponse(object="list", data=[Model(id=name) for name in names])
+
+
+def rendered() -> dict[str, Any]:
+    config = launch.render_config(8080, 9901, [("127.0.0.1", 50051)])
+    launch.route_by_model(config, pools(), listing_header(listing("alpha", "beta", "beta-sql")))
+    return config
+
+
+def test_the_methods_routed_by_model_are_those_whose_request_names_one() -> None:
+    assert sorted(name.rsplit(".", 1)[1] for name in launch.methods_with_model()) == [
+        "CreateCompletion",
+        "Detokenize",
+        "GetModelInfo",
+        "Tokenize",
+    ]
+
+
+def test_each_pool_is_a_cluster_like_the_single_one() -> None:
+    config = rendered()
+    template = launch.TEMPLATE["static_resources"]["clusters"][0]
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    assert list(clusters) == ["pool_alpha", "pool_beta", launch.ANY_POOL_CLUSTER]
+    for name in ("pool_alpha", "pool_beta"):
+        for kept in ("health_checks", "outlier_detection", "load_balancing_policy"):
+            assert clusters[name][kept] == template[kept]
+    assert clusters["pool_beta"]["type"] == "STRICT_DNS"  # a hostname
+    assert clusters["pool_alpha"]["type"] == "STATIC"
+    aggregate = clusters[launch.ANY_POOL_CLUSTER]["cluster_type"]["typed_config"]
+    assert aggregate["clusters"] == ["pool_alpha", "pool_beta"]
+
+
+def test_each_model_routes_to_its_pool_and_the_rest_to_any_pool_with_the_listing() -> None:
+    grpc_routes = [r for r in launch.routes(rendered()) if "route" in r]
+    by_model = {
+        header["string_match"]["exact"]: route["route"]["cluster"]
+        for route in grpc_routes
+        for header in route["match"]["headers"]
+        if header["name"] == launch.MODEL_HEADER
+    }
+    assert by_model == {"alpha": "pool_alpha", "beta": "pool_beta", "beta-sql": "pool_beta"}
+    fallback = grpc_routes[-1]
+    assert fallback["route"]["cluster"] == launch.ANY_POOL_CLUSTER
+    added = {h["header"]["key"]: h["header"]["value"] for h in fallback["request_headers_to_add"]}
+    passed = ListModelsResponse.FromString(
+        base64.b64decode(added[endpoint_models.ENDPOINT_MODELS_HEADER])
+    )
+    assert [model.id for model in passed.data] == ["alpha", "beta", "beta-sql"]
+    template_route = launch.grpc_route(launch.TEMPLATE)
+    for route in grpc_routes:  # retries, timeouts and the reply limit as with one pool
+        assert route["route"]["retry_policy"] == template_route["route"]["retry_policy"]
+        assert route["typed_per_filter_config"] == template_route["typed_per_filter_config"]
+
+
+def test_the_model_is_read_after_the_transcoder_and_before_the_router() -> None:
+    names = [f["name"] for f in launch.http_filters(rendered())]
+    start = names.index(launch.TRANSCODER)
+    assert names[start:] == [
+        launch.TRANSCODER,
+        "envoy.filters.http.grpc_field_extraction",
+        "llmcompletions.route_by_model",
+        "envoy.filters.http.router",
+    ]
+
+
+@pytest.mark.parametrize("text", ["alpha", "=h:1", "alpha=", "alpha=host", "alpha=h:1,h"])
+def test_a_malformed_pool_is_a_usage_error(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_pool(text, launch.parse_address)
+
+
+def test_a_pool_is_named_after_its_base_model() -> None:
+    served = ListModelsResponse(data=[Model(id="alpha"), Model(id="sql")])
+    served.data[0].parent.null_value = 0
+    served.data[1].parent.string_value = "alpha"
+    assert checked(Pool("alpha", (("h", 1),)), served).models == ("alpha", "sql")
+    with pytest.raises(PoolError, match="name each pool after"):
+        checked(Pool("beta", (("h", 1),)), served)
+
+
+def test_a_listing_too_large_for_a_header_stops_the_launcher() -> None:
+    many = listing(*(f"adapter-{index:04d}-with-a-long-name" for index in range(400)))
+    with pytest.raises(PoolError, match="too many to list"):
+        listing_header(many)
+
+
+class Context:
+    def __init__(self, metadata: tuple[tuple[str, Any], ...]) -> None:
+        self.metadata = metadata
+
+    def invocation_metadata(self) -> tuple[tuple[str, Any], ...]:
+        return self.metadata
+
+
+def test_a_replica_names_the_endpoints_models_when_the_facade_passes_them() -> None:
+    passed = listing("alpha", "beta").SerializeToString()
+    token = endpoint_models.bind(Context(((endpoint_models.ENDPOINT_MODELS_HEADER, passed),)))
+    try:
+        assert endpoint_models.served_names(["alpha"]) == ["alpha", "beta"]
+        assert endpoint_models.endpoint_listing() == listing("alpha", "beta")
+    finally:
+        endpoint_models.unbind(token)
+    token = endpoint_models.bind(Context(((endpoint_models.ENDPOINT_MODELS_HEADER, b"\xff"),)))
+    try:
+        assert endpoint_models.served_names(["alpha"]) == ["alpha"]  # garbage is ignored
+    finally:
+        endpoint_models.unbind(token)
