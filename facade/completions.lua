@@ -16,6 +16,8 @@ local UNKNOWN_FRAMING_BODY =
 -- The transcoder prints repeated fields even when empty; the error chunk has no choices.
 local ERROR_EVENT_START = 'data: {"choices":[],"error":'
 local ERROR_EVENT_START_CLEAN = 'data: {"error":'
+-- What both of those events start with (a chunk of output starts with `data: {"id":`).
+local SERVER_EVENT_START = 'data: {"choices":[]'
 
 local function replace_plain(text, old, new)
   local result, position = {}, 1
@@ -73,10 +75,10 @@ local function stream_events(handle, headers)
   headers:replace("cache-control", "no-cache")
   for chunk in handle:bodyChunks() do
     local text = chunk:getBytes(0, chunk:length())
-    local framed = replace_plain(replace_plain(text, END_EVENT, DONE_EVENT),
-                                 ERROR_EVENT_START, ERROR_EVENT_START_CLEAN)
-    if framed ~= text then
-      chunk:setBytes(framed)
+    -- One search per chunk; only the stream's last events (the end sentinel, an error) match.
+    if string.find(text, SERVER_EVENT_START, 1, true) ~= nil then
+      chunk:setBytes(replace_plain(replace_plain(text, END_EVENT, DONE_EVENT),
+                                   ERROR_EVENT_START, ERROR_EVENT_START_CLEAN))
     end
   end
 end

@@ -37,9 +37,10 @@ FIRST_MESSAGE_SECONDS = Histogram(
     "Time from the request to its first response message",
     buckets=LATENCY_BUCKETS,
 )
-MESSAGE_GAP_SECONDS = Histogram(
-    "llmcompletions_inter_token_latency_seconds",
-    "Time between consecutive messages of a streamed completion",
+# Observed once per request, not per message: the send path does no metric work per token.
+TIME_PER_OUTPUT_TOKEN_SECONDS = Histogram(
+    "llmcompletions_time_per_output_token_seconds",
+    "Time per output token after the first of a streamed completion (one per request)",
     buckets=TOKEN_GAP_BUCKETS,
 )
 PROMPT_TOKENS = Counter("llmcompletions_prompt_tokens", "Prompt tokens of served requests")
@@ -89,15 +90,21 @@ class RequestRecord:
         if self.first_message_at is None:
             self.first_message_at = now
             FIRST_MESSAGE_SECONDS.observe(now - self.started)
-        elif self.stream and self.last_message_at is not None:
-            MESSAGE_GAP_SECONDS.observe(now - self.last_message_at)
         self.last_message_at = now
+
+    def observe_time_per_output_token(self) -> None:
+        if not self.stream or self.completion_tokens < 2 or self.first_message_at is None:
+            return
+        assert self.last_message_at is not None
+        streamed = self.last_message_at - self.first_message_at
+        TIME_PER_OUTPUT_TOKEN_SECONDS.observe(streamed / (self.completion_tokens - 1))
 
     def finish(self, code: str) -> None:
         """Count the request once, with its final status, and write its log line."""
         latency = time.monotonic() - self.started
         REQUESTS.labels(self.method, code).inc()
         REQUEST_SECONDS.observe(latency)
+        self.observe_time_per_output_token()
         PROMPT_TOKENS.inc(self.prompt_tokens)
         COMPLETION_TOKENS.inc(self.completion_tokens)
         fields: dict[str, Any] = {
