@@ -2,8 +2,9 @@
 # make test    install what is missing, run the unit tests, then the whole suite on the real stack
 # make unit    install what is missing, run only the unit tests (tests/unit: no engine, no Envoy)
 # make proto   rebuild generated code from proto/    make lint   ruff and buf lint
-# make bench   the serving benchmark against vLLM's OpenAI server (BENCHMARKS.md)
-# make profile CPU per generated token of each server and serving-path option (BENCHMARKS.md)
+# make bench   the serving benchmark against vLLM's OpenAI server (BENCHMARKS.md), then:
+# make bench-frontend  serving CPU per token, ours against vLLM's, on a tiny model
+# make profile CPU per generated token of each server and serving-path option, then bench-frontend
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -15,7 +16,7 @@ STAMP := $(VENV)/.installed-$(ENGINE)
 # The unit layer; --confcutdir keeps tests/conftest.py (it starts the engine and Envoy) unloaded.
 UNIT_TESTS := tests/unit --confcutdir=tests/unit
 
-.PHONY: install serve test unit proto lint bench profile
+.PHONY: install serve test unit proto lint bench profile bench-frontend
 
 install: $(STAMP)
 
@@ -46,10 +47,16 @@ unit: install
 # The side-by-side benchmark (about 25 minutes); results in bench/results/.
 bench: install
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
+	$(MAKE) bench-frontend
 
 # CPU per output token by process, with py-spy on our frontend (about 12 minutes).
 profile: install
 	$(BIN)/python -m bench.profile --py-spy $(PROFILE_ARGS)
+	$(MAKE) bench-frontend
+
+# Serving CPU per token on a tiny random-weight model, rounds interleaved (FRONTEND_ARGS=--rounds N).
+bench-frontend: install
+	$(BIN)/python -m bench.profile --frontend-heavy $(FRONTEND_ARGS)
 
 proto: install
 	$(BIN)/python proto/generate.py

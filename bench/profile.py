@@ -10,7 +10,12 @@ CPU goes.
 "after" today's code with its defaults; the other variants change one option of "after", so
 each optimisation's share shows in one run.
 
+--frontend-heavy instead runs bench/frontend_heavy.py's workloads on a tiny random-weight model
+(bench/tiny_model.py), where the engine is cheap and the serving path's CPU per token shows:
+vLLM's OpenAI server then our stack in each round, interleaved.
+
 Usage: python -m bench.profile [--variants before,after,...] [--py-spy] [--out bench/results]
+       python -m bench.profile --frontend-heavy [--rounds N] [--out bench/results]
 """
 
 from __future__ import annotations
@@ -22,18 +27,22 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import psutil
 
+from bench import frontend_heavy
 from bench.grpc_client import run_load
 from bench.run import MODEL, same_prompts, vllm_bench
 from bench.servers import OurStack, VllmOpenAIServer
 from bench.spy_summary import summarize_stacks
+from bench.tiny_model import prepare_tiny_model, tiny_settings
 from bench.workloads import Workload
 from service.default_model import prepare_default_model
 
@@ -132,16 +141,23 @@ class PySpy:
         return self.out
 
 
-def profile_vllm(model_dir: Path) -> dict[str, Any]:
+def profile_vllm(
+    model_dir: Path, workloads: Sequence[Workload] = (WORKLOAD,)
+) -> dict[str, dict[str, Any]]:
+    """Each workload's REST run against vLLM's OpenAI server, by workload name."""
     server = VllmOpenAIServer(model_dir, MODEL)
     try:
         server.wait_ready()
         vllm_bench(server.base_url, "/v1/completions", model_dir, WARMUP)
         roles = Roles(server.process.pid)
         return {
-            "rest": measured(
-                roles, lambda: vllm_bench(server.base_url, "/v1/completions", model_dir, WORKLOAD)
-            )
+            workload.name: {
+                "rest": measured(
+                    roles,
+                    partial(vllm_bench, server.base_url, "/v1/completions", model_dir, workload),
+                )
+            }
+            for workload in workloads
         }
     finally:
         server.stop()
@@ -167,32 +183,53 @@ def profile_ours(model_dir: Path, variant: Variant, spy_out: Path | None) -> dic
         return profile_stack(OurStack(model_dir, MODEL, variant.env, source), model_dir, spy_out)
 
 
-def profile_stack(stack: OurStack, model_dir: Path, spy_out: Path | None) -> dict[str, Any]:
+def profile_stack(
+    stack: OurStack,
+    model_dir: Path,
+    spy_out: Path | None = None,
+    workloads: Sequence[Workload] = (WORKLOAD,),
+) -> dict[str, Any]:
+    """Each workload's REST and gRPC runs against our stack, by workload name; with spy_out,
+    also py-spy's summary of our frontend over all of them, as "py_spy"."""
     try:
         stack.wait_ready()
         vllm_bench(stack.base_url, "/v2/completions", model_dir, WARMUP)
         service, envoy = stack.stack.processes
         roles = Roles(service.pid, envoy.pid)
-        prompts = same_prompts(model_dir, WORKLOAD)
         spy = PySpy(service.pid, spy_out) if spy_out else None
-        runs = {
-            "rest": measured(
-                roles, lambda: vllm_bench(stack.base_url, "/v2/completions", model_dir, WORKLOAD)
-            ),
-            "grpc": measured(
-                roles,
-                lambda: asyncio.run(
-                    run_load(
-                        stack.grpc_target, MODEL, prompts, WORKLOAD.output_len, WORKLOAD.concurrency
-                    )
-                ),
-            ),
+        runs: dict[str, Any] = {
+            workload.name: stack_runs(stack, roles, model_dir, workload) for workload in workloads
         }
         if spy is not None:
             runs["py_spy"] = summarize_stacks(spy.stop())
         return runs
     finally:
         stack.stop()
+
+
+def stack_runs(
+    stack: OurStack, roles: Roles, model_dir: Path, workload: Workload
+) -> dict[str, Any]:
+    """REST through Envoy, then gRPC directly, with the same prompts."""
+    prompts = same_prompts(model_dir, workload)
+    return {
+        "rest": measured(
+            roles, partial(vllm_bench, stack.base_url, "/v2/completions", model_dir, workload)
+        ),
+        "grpc": measured(
+            roles,
+            lambda: asyncio.run(
+                run_load(
+                    stack.grpc_target, MODEL, prompts, workload.output_len, workload.concurrency
+                )
+            ),
+        ),
+    }
+
+
+def one_workload(runs: dict[str, Any]) -> dict[str, Any]:
+    """The default mode's record: WORKLOAD's paths, with py-spy's summary beside them."""
+    return {**runs.pop(WORKLOAD.name), **runs}
 
 
 def markdown(results: dict[str, dict[str, Any]]) -> str:
@@ -228,6 +265,35 @@ def markdown(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def frontend_heavy_round(model_dir: Path) -> dict[str, Any]:
+    """vLLM's OpenAI server, then our stack, each on every frontend-heavy workload."""
+    print("profile: frontend-heavy, vLLM's OpenAI server", flush=True)
+    vllm = profile_vllm(model_dir, frontend_heavy.FRONTEND_HEAVY)
+    print("profile: frontend-heavy, ours", flush=True)
+    ours = profile_stack(
+        OurStack(model_dir, MODEL), model_dir, workloads=frontend_heavy.FRONTEND_HEAVY
+    )
+    return {"vllm_openai": vllm, "ours": ours}
+
+
+def run_frontend_heavy(rounds: int, out: Path) -> None:
+    model_dir = prepare_tiny_model()
+    measured_rounds: list[dict[str, Any]] = []
+    round_seconds: list[float] = []
+    for round_number in range(1, rounds + 1):
+        print(f"profile: frontend-heavy round {round_number} of {rounds}", flush=True)
+        started = time.monotonic()
+        measured_rounds.append(frontend_heavy_round(model_dir))
+        round_seconds.append(time.monotonic() - started)
+        print(f"profile: round {round_number} took {round_seconds[-1]:.0f} s", flush=True)
+    model = {"dir": str(model_dir), **tiny_settings()}
+    record = frontend_heavy.record(measured_rounds, model, round_seconds)
+    report = frontend_heavy.markdown(record["summary"], rounds)
+    (out / "frontend-heavy.json").write_text(json.dumps(record, indent=2))
+    (out / "frontend-heavy.md").write_text(report)
+    print(report)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -235,20 +301,33 @@ def main() -> None:
     )
     parser.add_argument("--py-spy", action="store_true", help="sample our frontend with py-spy")
     parser.add_argument(
-        "--rounds", type=int, default=1, help="run the variants this many times, interleaved"
+        "--frontend-heavy",
+        action="store_true",
+        help="vLLM against ours on a tiny model, serving CPU per token (variants, py-spy unused)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        help="run the servers this many times, interleaved (default 1; 3 with --frontend-heavy)",
     )
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     options = parser.parse_args()
-    model_dir = prepare_default_model()
     options.out.mkdir(parents=True, exist_ok=True)
-    results = {"vllm_openai": profile_vllm(model_dir)}
-    for round_number in range(1, options.rounds + 1):
+    if options.frontend_heavy:
+        run_frontend_heavy(options.rounds or 3, options.out)
+        return
+    rounds = options.rounds or 1
+    model_dir = prepare_default_model()
+    results = {"vllm_openai": profile_vllm(model_dir)[WORKLOAD.name]}
+    for round_number in range(1, rounds + 1):
         for name in options.variants.split(";"):
-            label = name if options.rounds == 1 else f"{name} #{round_number}"
+            label = name if rounds == 1 else f"{name} #{round_number}"
             print(f"profile: ours, {label}", flush=True)
             slug = "-".join(label.replace(",", "").replace("#", "").split())
             spy_out = options.out / f"py-spy-{slug}.txt" if options.py_spy else None
-            results[f"ours {label}"] = profile_ours(model_dir, VARIANTS[name], spy_out)
+            results[f"ours {label}"] = one_workload(
+                profile_ours(model_dir, VARIANTS[name], spy_out)
+            )
     record = {
         "workload": asdict(WORKLOAD),
         "variants": {name: asdict(variant) for name, variant in VARIANTS.items()},
