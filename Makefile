@@ -44,17 +44,18 @@ test: install
 unit: install
 	$(BIN)/python -m pytest -q $(UNIT_TESTS)
 
-# The side-by-side benchmark (about 25 minutes); results in bench/results/.
+# The side-by-side benchmark (about 25 minutes, then bench-frontend's); results in bench/results/.
 bench: install
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
 	$(MAKE) bench-frontend
 
-# CPU per output token by process, with py-spy on our frontend (about 12 minutes).
+# CPU per output token by process, with py-spy on our frontend (about 12 minutes, then bench-frontend's).
 profile: install
 	$(BIN)/python -m bench.profile --py-spy $(PROFILE_ARGS)
 	$(MAKE) bench-frontend
 
-# Serving CPU per token on a tiny random-weight model, rounds interleaved (FRONTEND_ARGS=--rounds N).
+# Serving CPU per token on a tiny random-weight model, 3 rounds interleaved (about 12 minutes;
+# FRONTEND_ARGS=--rounds N).
 bench-frontend: install
 	$(BIN)/python -m bench.profile --frontend-heavy $(FRONTEND_ARGS)
 
