@@ -35,6 +35,7 @@ GREEDY = {"prompt": CAPITAL_PROMPT, "max_tokens": 6, "temperature": 0}
 @dataclass
 class Endpoint:
     pools: dict[str, TestStack]
+    metrics_ports: dict[str, int]
     envoy: subprocess.Popen[bytes]
     http_port: int
 
@@ -47,8 +48,7 @@ class Endpoint:
         return f"127.0.0.1:{self.http_port}"
 
     def metrics_url(self, pool: str) -> str:
-        stack = self.pools[pool]
-        return f"http://127.0.0.1:{stack.service_args[-1]}/metrics"
+        return f"http://127.0.0.1:{self.metrics_ports[pool]}/metrics"
 
     def served(self, pool: str, method: str) -> float:
         """The calls of `method` that the pool's replica has answered, whatever their status."""
@@ -59,14 +59,14 @@ class Endpoint:
         )
 
 
-def pool_stack(name: str, extra: list[str], log_dir: Path) -> TestStack:
+def pool_stack(name: str, extra: list[str], metrics_port: int, log_dir: Path) -> TestStack:
     return TestStack(
         grpc_port=free_port(),
         service_args=[
             *SMALL_ENGINE,
             *("--served-model-name", name),
             *extra,
-            *("--metrics-port", str(free_port())),  # last: Endpoint.metrics_url reads it
+            *("--metrics-port", str(metrics_port)),
         ],
         service_log=log_dir / f"{name}.log",
     )
@@ -84,9 +84,10 @@ def listed_names(base_url: str) -> set[str]:
 def endpoint(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Endpoint]:
     root = tmp_path_factory.mktemp("pools")
     adapter = build_adapter(model_dir, root / ADAPTER, seed=3)
+    metrics_ports = {"alpha": free_port(), "beta": free_port()}
+    extra = {"alpha": [], "beta": ["--lora-modules", f"{ADAPTER}={adapter}"]}
     pools = {
-        "alpha": pool_stack("alpha", [], root),
-        "beta": pool_stack("beta", ["--lora-modules", f"{ADAPTER}={adapter}"], root),
+        name: pool_stack(name, extra[name], metrics_ports[name], root) for name in metrics_ports
     }
     http_port = free_port()
     launch = [
@@ -110,7 +111,7 @@ def endpoint(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
                 stack.check_alive()
             assert time.monotonic() < deadline, "the pools did not come up behind Envoy"
             time.sleep(1.0)
-        yield Endpoint(pools, envoy, http_port)
+        yield Endpoint(pools, metrics_ports, envoy, http_port)
     finally:
         envoy.terminate()
         envoy.wait(timeout=30)
