@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm import AsyncEngineArgs
+from vllm import AsyncEngineArgs, envs
 from vllm.config import StructuredOutputsConfig
 from vllm.platforms import current_platform
 from vllm.tokenizers import TokenizerLike
@@ -138,6 +138,10 @@ def start_engine(settings: EngineSettings) -> ServedModel:
     # The periodic throughput log line would drown the one-line-per-request log.
     logging.getLogger("vllm.v1.metrics.loggers").setLevel(logging.WARNING)
     engine = AsyncLLM.from_engine_args(args)
+    # vLLM reads some of its settings from the environment for every generated token (1.9 us a
+    # read, 0.3 cached). Nothing here changes them once the engine runs: cache them, as vLLM's
+    # engine core does in its own process.
+    envs.enable_envs_cache()
     model_config = engine.model_config
     served = ServedModel(
         engine=engine,

@@ -6,6 +6,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from llmcompletions.v2.completions_pb2 import (
     Choice,
@@ -40,18 +41,27 @@ class ResponseHeader:
     def new(cls, model: str, system_fingerprint: str) -> ResponseHeader:
         return cls(f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, system_fingerprint)
 
-    def message(
-        self, choices: Sequence[Choice] = (), usage: Usage | None = None
-    ) -> CreateCompletionResponse:
+    @cached_property
+    def shared_fields(self) -> CreateCompletionResponse:
         return CreateCompletionResponse(
             id=self.id,
             object=OBJECT_TYPE,
             created=self.created,
             model=self.model,
-            choices=choices,
-            usage=usage,
             system_fingerprint=self.system_fingerprint,
         )
+
+    def message(
+        self, choices: Sequence[Choice] = (), usage: Usage | None = None
+    ) -> CreateCompletionResponse:
+        # Copying the shared fields built once costs half of setting them again (a stream
+        # makes a message per token).
+        message = CreateCompletionResponse()
+        message.CopyFrom(self.shared_fields)
+        message.choices.extend(choices)
+        if usage is not None:
+            message.usage.CopyFrom(usage)
+        return message
 
 
 @dataclass(frozen=True)
