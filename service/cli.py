@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+import uvloop
+
 from service import __version__
 from service.default_model import DEFAULT_SERVED_MODEL_NAME
 from service.logs import configure_logging
@@ -433,8 +435,10 @@ def run_serve(args: argparse.Namespace) -> int:
             max_logit_bias=args.max_logit_bias,
         ),
     )
-    # Not asyncio.run: its teardown is what exit_now skips.
-    loop = asyncio.new_event_loop()
+    # Not asyncio.run: its teardown is what exit_now skips. uvloop, as vLLM's own server: each
+    # streamed token wakes the loop twice (the engine's output, then gRPC's write completing),
+    # and uvloop's wake-ups cost less (BENCHMARKS.md, the frontend-heavy workload).
+    loop = uvloop.new_event_loop()
     asyncio.set_event_loop(loop)
     return loop.run_until_complete(serve(server_settings, engine_settings))
 
