@@ -2,7 +2,8 @@
 
 Serving CPU is the frontend's plus Envoy's (vLLM's OpenAI server has no Envoy); the engine
 core's is reported beside it but is not part of it. Each round's ratios are to vLLM measured in
-the same round; the report gives their median over rounds and the spread (min-max).
+the same round (and, with an earlier commit of ours measured too, between the two of ours); the
+report gives their median over rounds and the spread (min-max).
 """
 
 from __future__ import annotations
@@ -18,18 +19,30 @@ FRONTEND_HEAVY = tuple(
     Workload(f"fh-c{concurrency}", concurrency, num_prompts=256, input_len=32, output_len=128)
     for concurrency in (64, 256)
 )
-# What each round measures: label -> (server, path) in the round's record.
-RUNS = {
-    "vLLM REST": ("vllm_openai", "rest"),
-    "ours REST (Envoy)": ("ours", "rest"),
-    "ours gRPC": ("ours", "grpc"),
-}
+# Our stack as this checkout, and as an earlier commit when a before/after comparison is asked
+# for (`--before REF`): the server keys in a round's record.
+VLLM = "vllm_openai"
+OURS = "ours"
+BEFORE = "ours_before"
+PATHS = {"REST": "rest", "gRPC": "grpc"}
 RATIOS = (
     ("REST serving CPU", "rest", "serving"),
     ("gRPC serving CPU", "grpc", "serving"),
     ("REST output tok/s", "rest", "output_throughput"),
     ("gRPC output tok/s", "grpc", "output_throughput"),
 )
+
+
+def runs(servers: Sequence[str]) -> dict[str, tuple[str, str]]:
+    """What each round measured: label -> (server, path) in the round's record."""
+    labels = {OURS: "ours", BEFORE: "ours before"}
+    found = {"vLLM REST": (VLLM, "rest")}
+    for server in (BEFORE, OURS):
+        if server in servers:
+            found.update(
+                {f"{labels[server]} {name}": (server, path) for name, path in PATHS.items()}
+            )
+    return found
 
 
 def figures(run: dict[str, Any]) -> dict[str, float]:
@@ -45,14 +58,17 @@ def figures(run: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def round_ratios(measured_round: dict[str, Any], workload: str) -> dict[str, float]:
-    """Ours over vLLM's, both measured in this round."""
-    baseline = figures(measured_round["vllm_openai"][workload]["rest"])
-    ours = measured_round["ours"][workload]
-    return {
-        label: figures(ours[path])[key] / baseline[key] if baseline[key] else float("nan")
-        for label, path, key in RATIOS
-    }
+def round_ratios(
+    measured_round: dict[str, Any], workload: str, server: str = OURS, baseline: str = VLLM
+) -> dict[str, float]:
+    """`server` over `baseline`, both measured in this round (vLLM's server: REST only)."""
+    base = measured_round[baseline][workload]
+    ours = measured_round[server][workload]
+    ratios = {}
+    for label, path, key in RATIOS:
+        reference = figures(base.get(path, base["rest"]))[key]
+        ratios[label] = figures(ours[path])[key] / reference if reference else float("nan")
+    return ratios
 
 
 def spread(values: Sequence[float]) -> dict[str, float]:
@@ -62,7 +78,7 @@ def spread(values: Sequence[float]) -> dict[str, float]:
 def absolute(rounds: Sequence[dict[str, Any]], workload: str) -> dict[str, dict[str, float]]:
     """Each run's figures, median over rounds."""
     medians = {}
-    for label, (server, path) in RUNS.items():
+    for label, (server, path) in runs(list(rounds[0])).items():
         per_round = [figures(measured[server][workload][path]) for measured in rounds]
         medians[label] = {
             key: statistics.median(run[key] for run in per_round) for key in per_round[0]
@@ -70,23 +86,43 @@ def absolute(rounds: Sequence[dict[str, Any]], workload: str) -> dict[str, dict[
     return medians
 
 
+# The comparisons a report holds: (title, server, baseline) for round_ratios.
+COMPARISONS = (
+    ("ours / vLLM", OURS, VLLM),
+    ("ours before / vLLM", BEFORE, VLLM),
+    ("ours / ours before", OURS, BEFORE),
+)
+
+
 def summarize(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Per workload: each ratio's median and spread over rounds, and median absolute figures."""
+    """Per workload: each comparison's ratios (median and spread over rounds), and median
+    absolute figures."""
     summary = {}
+    comparisons = [
+        (title, server, baseline)
+        for title, server, baseline in COMPARISONS
+        if server in rounds[0] and baseline in rounds[0]
+    ]
     for workload in FRONTEND_HEAVY:
-        per_round = [round_ratios(measured, workload.name) for measured in rounds]
-        summary[workload.name] = {
-            "ratios": {label: spread([r[label] for r in per_round]) for label, _, _ in RATIOS},
-            "absolute": absolute(rounds, workload.name),
-        }
+        ratios = {}
+        for title, server, baseline in comparisons:
+            per_round = [
+                round_ratios(measured, workload.name, server, baseline) for measured in rounds
+            ]
+            ratios[title] = {label: spread([r[label] for r in per_round]) for label, _, _ in RATIOS}
+        summary[workload.name] = {"ratios": ratios, "absolute": absolute(rounds, workload.name)}
     return summary
 
 
 def record(
-    rounds: Sequence[dict[str, Any]], model: dict[str, Any], round_seconds: Sequence[float]
+    rounds: Sequence[dict[str, Any]],
+    model: dict[str, Any],
+    round_seconds: Sequence[float],
+    before: str | None = None,
 ) -> dict[str, Any]:
     return {
         "model": model,
+        "before": before,
         "workloads": [asdict(workload) for workload in FRONTEND_HEAVY],
         "round_seconds": list(round_seconds),
         "summary": summarize(rounds),
@@ -98,23 +134,25 @@ def ratio_cell(ratio: dict[str, float]) -> str:
     return f"{ratio['median']:.2f}x ({ratio['min']:.2f}-{ratio['max']:.2f})"
 
 
-def markdown(summary: dict[str, Any], rounds: int) -> str:
+def markdown(summary: dict[str, Any], rounds: int, before: str | None = None) -> str:
     workload = FRONTEND_HEAVY[0]
     concurrencies = " and ".join(str(each.concurrency) for each in FRONTEND_HEAVY)
+    order = "vLLM, ours at " + before + ' ("before"), then ours' if before else "vLLM then ours"
     lines = [
         f"Frontend-heavy: a one-layer random-weight model, concurrency {concurrencies}, "
         f"{workload.num_prompts} prompts, {workload.input_len} in / {workload.output_len} out "
         "tokens, streaming, "
-        f"{rounds} round(s), vLLM then ours in each.",
-        "Serving CPU = frontend + Envoy, ms per output token; ratios are ours / vLLM "
+        f"{rounds} round(s), {order} in each.",
+        "Serving CPU = frontend + Envoy, ms per output token; ratios are between runs "
         "in the same round, median (min-max) over rounds.",
         "",
-        "| workload | " + " | ".join(f"{label} (x vLLM)" for label, _, _ in RATIOS) + " |",
-        "|---|" + "---|" * len(RATIOS),
+        "| workload | ratio | " + " | ".join(label for label, _, _ in RATIOS) + " |",
+        "|---|---|" + "---|" * len(RATIOS),
     ]
     for name, figures_of in summary.items():
-        cells = [ratio_cell(figures_of["ratios"][label]) for label, _, _ in RATIOS]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        for title, ratios in figures_of["ratios"].items():
+            cells = [ratio_cell(ratios[label]) for label, _, _ in RATIOS]
+            lines.append(f"| {name} | {title} | " + " | ".join(cells) + " |")
     lines += [
         "",
         "Absolute, median over rounds (CPU in ms per output token; engine core not serving):",
@@ -124,7 +162,7 @@ def markdown(summary: dict[str, Any], rounds: int) -> str:
     ]
     for name, figures_of in summary.items():
         for label, run in figures_of["absolute"].items():
-            envoy = f"{run['envoy']:.3f}" if RUNS[label][0] == "ours" else "-"
+            envoy = "-" if label.startswith("vLLM") else f"{run['envoy']:.3f}"
             lines.append(
                 f"| {name} | {label} | {run['output_throughput']:.0f} | {run['frontend']:.3f} "
                 f"| {envoy} | {run['serving']:.3f} | {run['engine']:.3f} |"

@@ -12,10 +12,11 @@ each optimisation's share shows in one run.
 
 --frontend-heavy instead runs bench/frontend_heavy.py's workloads on a tiny random-weight model
 (bench/tiny_model.py), where the engine is cheap and the serving path's CPU per token shows:
-vLLM's OpenAI server then our stack in each round, interleaved.
+vLLM's OpenAI server then our stack in each round, interleaved; with --before REF, our stack
+at that commit too, so that a change to the serving path is measured before and after.
 
 Usage: python -m bench.profile [--variants before,after,...] [--py-spy] [--out bench/results]
-       python -m bench.profile --frontend-heavy [--rounds N] [--out bench/results]
+       python -m bench.profile --frontend-heavy [--rounds N] [--before REF] [--out bench/results]
 """
 
 from __future__ import annotations
@@ -265,30 +266,36 @@ def markdown(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def frontend_heavy_round(model_dir: Path) -> dict[str, Any]:
-    """vLLM's OpenAI server, then our stack, each on every frontend-heavy workload."""
+def frontend_heavy_round(model_dir: Path, before: str | None) -> dict[str, Any]:
+    """vLLM's OpenAI server, then our stack at `before` (if given), then as this checkout,
+    each on every frontend-heavy workload."""
     print("profile: frontend-heavy, vLLM's OpenAI server", flush=True)
-    vllm = profile_vllm(model_dir, frontend_heavy.FRONTEND_HEAVY)
-    print("profile: frontend-heavy, ours", flush=True)
-    ours = profile_stack(
-        OurStack(model_dir, MODEL), model_dir, workloads=frontend_heavy.FRONTEND_HEAVY
-    )
-    return {"vllm_openai": vllm, "ours": ours}
+    measured_round = {frontend_heavy.VLLM: profile_vllm(model_dir, frontend_heavy.FRONTEND_HEAVY)}
+    builds = {frontend_heavy.BEFORE: before} if before else {}
+    builds[frontend_heavy.OURS] = None
+    for server, ref in builds.items():
+        print(f"profile: frontend-heavy, ours at {ref or 'this checkout'}", flush=True)
+        with checkout(ref) as source:
+            stack = OurStack(model_dir, MODEL, source=source)
+            measured_round[server] = profile_stack(
+                stack, model_dir, workloads=frontend_heavy.FRONTEND_HEAVY
+            )
+    return measured_round
 
 
-def run_frontend_heavy(rounds: int, out: Path) -> None:
+def run_frontend_heavy(rounds: int, out: Path, before: str | None) -> None:
     model_dir = prepare_tiny_model()
     measured_rounds: list[dict[str, Any]] = []
     round_seconds: list[float] = []
     for round_number in range(1, rounds + 1):
         print(f"profile: frontend-heavy round {round_number} of {rounds}", flush=True)
         started = time.monotonic()
-        measured_rounds.append(frontend_heavy_round(model_dir))
+        measured_rounds.append(frontend_heavy_round(model_dir, before))
         round_seconds.append(time.monotonic() - started)
         print(f"profile: round {round_number} took {round_seconds[-1]:.0f} s", flush=True)
     model = {"dir": str(model_dir), **tiny_settings()}
-    record = frontend_heavy.record(measured_rounds, model, round_seconds)
-    report = frontend_heavy.markdown(record["summary"], rounds)
+    record = frontend_heavy.record(measured_rounds, model, round_seconds, before)
+    report = frontend_heavy.markdown(record["summary"], rounds, before)
     (out / "frontend-heavy.json").write_text(json.dumps(record, indent=2))
     (out / "frontend-heavy.md").write_text(report)
     print(report)
@@ -310,11 +317,16 @@ def main() -> None:
         type=int,
         help="run the servers this many times, interleaved (default 1; 3 with --frontend-heavy)",
     )
+    parser.add_argument(
+        "--before",
+        metavar="REF",
+        help="with --frontend-heavy: also measure our stack at this git commit in every round",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     options = parser.parse_args()
     options.out.mkdir(parents=True, exist_ok=True)
     if options.frontend_heavy:
-        run_frontend_heavy(options.rounds or 3, options.out)
+        run_frontend_heavy(options.rounds or 3, options.out, options.before)
         return
     rounds = options.rounds or 1
     model_dir = prepare_default_model()
