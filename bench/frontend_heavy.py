@@ -8,6 +8,7 @@ report gives their median over rounds and the spread (min-max).
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -55,6 +56,8 @@ def figures(run: dict[str, Any]) -> dict[str, float]:
         "envoy": envoy,
         "serving": cpu_ms["frontend"] + envoy,
         "engine": cpu_ms["engine"],
+        # Counted by our gRPC client only (REST: not counted).
+        "messages_per_token": run.get("messages_per_token") or math.nan,
     }
 
 
@@ -130,6 +133,10 @@ def record(
     }
 
 
+def per_token(messages: float) -> str:
+    return "-" if math.isnan(messages) else f"{messages:.2f}"
+
+
 def ratio_cell(ratio: dict[str, float]) -> str:
     return f"{ratio['median']:.2f}x ({ratio['min']:.2f}-{ratio['max']:.2f})"
 
@@ -157,14 +164,16 @@ def markdown(summary: dict[str, Any], rounds: int, before: str | None = None) ->
         "",
         "Absolute, median over rounds (CPU in ms per output token; engine core not serving):",
         "",
-        "| workload | run | output tok/s | frontend | Envoy | serving | engine core |",
-        "|---|---|---|---|---|---|---|",
+        "| workload | run | output tok/s | frontend | Envoy | serving | engine core "
+        "| messages per token |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, figures_of in summary.items():
         for label, run in figures_of["absolute"].items():
             envoy = "-" if label.startswith("vLLM") else f"{run['envoy']:.3f}"
             lines.append(
                 f"| {name} | {label} | {run['output_throughput']:.0f} | {run['frontend']:.3f} "
-                f"| {envoy} | {run['serving']:.3f} | {run['engine']:.3f} |"
+                f"| {envoy} | {run['serving']:.3f} | {run['engine']:.3f} "
+                f"| {per_token(run['messages_per_token'])} |"
             )
     return "\n".join(lines) + "\n"

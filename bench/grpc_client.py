@@ -20,6 +20,7 @@ class RequestTiming:
     ttft: float = 0.0
     latency: float = 0.0
     output_tokens: int = 0
+    text_messages: int = 0  # messages carrying generated text
     gaps: list[float] = field(default_factory=list)
 
 
@@ -31,6 +32,7 @@ async def one_request(
     async for message in stub.CreateCompletion(request, timeout=600):
         now = time.perf_counter()
         if message.choices and message.choices[0].text:
+            timing.text_messages += 1
             if timing.ttft == 0.0:
                 timing.ttft = now - started
             else:
@@ -86,4 +88,6 @@ def summarize(timings: list[RequestTiming], duration: float) -> dict[str, Any]:
         "median_tpot_ms": float(np.median(tpots)) * 1000 if tpots else 0.0,
         "median_itl_ms": float(np.median(itls)) * 1000 if itls else 0.0,
         "p99_itl_ms": float(np.percentile(itls, 99)) * 1000 if itls else 0.0,
+        # Below 1 when deltas were merged (the engine got ahead of the stream).
+        "messages_per_token": sum(t.text_messages for t in timings) / max(output_tokens, 1),
     }

@@ -108,6 +108,7 @@ def measured(roles: Roles, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         "output_throughput": result["output_throughput"],
         "median_ttft_ms": result["median_ttft_ms"],
         "median_tpot_ms": result["median_tpot_ms"],
+        "messages_per_token": result.get("messages_per_token"),  # counted by our gRPC client
         "cpu_ms_per_token": per_token,
     }
 

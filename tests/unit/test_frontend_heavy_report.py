@@ -11,17 +11,21 @@ from bench import frontend_heavy
 from bench.frontend_heavy import BEFORE, OURS, VLLM
 
 
-def run(frontend: float, envoy: float = 0.0, throughput: float = 1000.0) -> dict[str, Any]:
+def run(frontend: float, envoy: float = 0.0, messages: float | None = None) -> dict[str, Any]:
     cpu_ms = {"frontend": frontend, "engine": 1.0}
     if envoy:
         cpu_ms["envoy"] = envoy
-    return {"output_throughput": throughput, "cpu_ms_per_token": cpu_ms}
+    return {
+        "output_throughput": 1000.0,
+        "messages_per_token": messages,
+        "cpu_ms_per_token": cpu_ms,
+    }
 
 
 def measured_round(vllm: float, ours: float, before: float | None) -> dict[str, Any]:
     def stack(frontend: float) -> dict[str, Any]:
         return {
-            workload.name: {"rest": run(frontend, envoy=0.05), "grpc": run(frontend)}
+            workload.name: {"rest": run(frontend, envoy=0.05), "grpc": run(frontend, messages=1.0)}
             for workload in frontend_heavy.FRONTEND_HEAVY
         }
 
@@ -55,4 +59,5 @@ def test_an_earlier_commit_is_compared_with_vllm_and_with_this_checkout() -> Non
     report = frontend_heavy.markdown(summary, 3, before="abc1234")
     assert "ours at abc1234" in report
     assert "| fh-c64 | ours / ours before | 0.87x (0.87-0.87) | 0.80x (0.80-0.80) |" in report
-    assert "| fh-c64 | ours before gRPC | 1000 | 0.100 | 0.000 | 0.100 | 1.000 |" in report
+    assert "| fh-c64 | ours before gRPC | 1000 | 0.100 | 0.000 | 0.100 | 1.000 | 1.00 |" in report
+    assert "| fh-c64 | vLLM REST | 1000 | 0.100 | - | 0.100 | 1.000 | - |" in report
