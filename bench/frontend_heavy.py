@@ -25,6 +25,8 @@ FRONTEND_HEAVY = tuple(
 VLLM = "vllm_openai"
 OURS = "ours"
 BEFORE = "ours_before"
+# bench/engine_floor.py: vLLM's engine client alone, no transport (its one path is "none").
+FLOOR = "engine_floor"
 PATHS = {"REST": "rest", "gRPC": "grpc"}
 RATIOS = (
     ("REST serving CPU", "rest", "serving"),
@@ -43,6 +45,24 @@ def runs(servers: Sequence[str]) -> dict[str, tuple[str, str]]:
             found.update(
                 {f"{labels[server]} {name}": (server, path) for name, path in PATHS.items()}
             )
+    if FLOOR in servers:
+        found["engine client alone"] = (FLOOR, "none")
+    return found
+
+
+def above_floor(rounds: Sequence[dict[str, Any]], workload: str) -> dict[str, float]:
+    """The floor's CPU per token and what each server spends above it, medians of each
+    round's differences (ms per output token)."""
+    paths = {"vLLM": (VLLM, "rest"), "ours gRPC": (OURS, "grpc"), "ours REST": (OURS, "rest")}
+    found = {
+        "floor": statistics.median(figures(r[FLOOR][workload]["none"])["frontend"] for r in rounds)
+    }
+    for label, (server, path) in paths.items():
+        found[label] = statistics.median(
+            figures(r[server][workload][path])["serving"]
+            - figures(r[FLOOR][workload]["none"])["frontend"]
+            for r in rounds
+        )
     return found
 
 
@@ -114,6 +134,8 @@ def summarize(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
             ]
             ratios[title] = {label: spread([r[label] for r in per_round]) for label, _, _ in RATIOS}
         summary[workload.name] = {"ratios": ratios, "absolute": absolute(rounds, workload.name)}
+        if FLOOR in rounds[0]:
+            summary[workload.name]["above_floor"] = above_floor(rounds, workload.name)
     return summary
 
 
@@ -170,10 +192,33 @@ def markdown(summary: dict[str, Any], rounds: int, before: str | None = None) ->
     ]
     for name, figures_of in summary.items():
         for label, run in figures_of["absolute"].items():
-            envoy = "-" if label.startswith("vLLM") else f"{run['envoy']:.3f}"
+            envoy = f"{run['envoy']:.3f}" if label.startswith("ours") else "-"
             lines.append(
                 f"| {name} | {label} | {run['output_throughput']:.0f} | {run['frontend']:.3f} "
                 f"| {envoy} | {run['serving']:.3f} | {run['engine']:.3f} "
                 f"| {per_token(run['messages_per_token'])} |"
             )
+    lines += floor_lines(summary)
     return "\n".join(lines) + "\n"
+
+
+def floor_lines(summary: dict[str, Any]) -> list[str]:
+    """What each server spends per token above vLLM's engine client alone, if it was run."""
+    if not all("above_floor" in figures_of for figures_of in summary.values()):
+        return []
+    lines = [
+        "",
+        "Above the floor: vLLM's engine client alone (no transport) in ms of CPU per output "
+        "token, and each server's serving CPU above it (medians of each round's difference):",
+        "",
+        "| workload | engine client alone | vLLM above it | ours gRPC above it "
+        "| ours REST above it (Envoy included) |",
+        "|---|---|---|---|---|",
+    ]
+    for name, figures_of in summary.items():
+        found = figures_of["above_floor"]
+        lines.append(
+            f"| {name} | {found['floor']:.3f} | {found['vLLM']:.3f} | {found['ours gRPC']:.3f} "
+            f"| {found['ours REST']:.3f} |"
+        )
+    return lines

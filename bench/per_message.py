@@ -1,7 +1,7 @@
 """Server CPU per streamed message of the two transports a streaming token pays for: a bare
-grpc.aio server-streaming method (our frontend's transport) and a bare Starlette/uvicorn SSE
-response (vLLM's OpenAI server's), each streaming the same small completion chunk to 64
-concurrent streams over loopback. Nothing else runs in either server, so the figure is the
+grpc.aio server-streaming method (our frontend's transport, on uvloop as the service runs it,
+and on asyncio's own loop) and a bare Starlette/uvicorn SSE response (vLLM's OpenAI server's),
+each streaming the same small completion chunk to 64 concurrent streams over loopback. Nothing else runs in either server, so the figure is the
 transport's own cost per token.
 
 Usage: python -m bench.per_message [--rounds 3]
@@ -19,6 +19,7 @@ from multiprocessing.synchronize import Event
 import grpc
 import httpx
 import psutil
+import uvloop
 from llmcompletions.v2 import completions_pb2_grpc
 from llmcompletions.v2.completions_pb2 import (
     Choice,
@@ -53,16 +54,22 @@ class Streamer(completions_pb2_grpc.CompletionServiceServicer):
             await asyncio.sleep(0)  # as a token stream does: other streams run in between
 
 
-def serve_grpc(port: int, ready: Event) -> None:
-    async def serve() -> None:
-        server = grpc.aio.server()
-        completions_pb2_grpc.add_CompletionServiceServicer_to_server(Streamer(), server)
-        server.add_insecure_port(f"127.0.0.1:{port}")
-        await server.start()
-        ready.set()
-        await server.wait_for_termination()
+async def serve_streamer(port: int, ready: Event) -> None:
+    server = grpc.aio.server()
+    completions_pb2_grpc.add_CompletionServiceServicer_to_server(Streamer(), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    ready.set()
+    await server.wait_for_termination()
 
-    asyncio.run(serve())
+
+def serve_grpc(port: int, ready: Event) -> None:
+    """On uvloop, as our service (and uvicorn, by default) runs."""
+    uvloop.run(serve_streamer(port, ready))
+
+
+def serve_grpc_asyncio(port: int, ready: Event) -> None:
+    asyncio.run(serve_streamer(port, ready))
 
 
 def serve_sse(port: int, ready: Event) -> None:
@@ -138,11 +145,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     rounds = parser.parse_args().rounds
     grpc_figures = microseconds_per_message(serve_grpc, read_grpc, rounds)
+    asyncio_figures = microseconds_per_message(serve_grpc_asyncio, read_grpc, rounds)
     sse_figures = microseconds_per_message(serve_sse, read_sse, rounds)
-    for name, figures in (("grpc.aio", grpc_figures), ("Starlette/uvicorn SSE", sse_figures)):
+    for name, figures in (
+        ("grpc.aio on uvloop", grpc_figures),
+        ("grpc.aio on asyncio's loop", asyncio_figures),
+        ("Starlette/uvicorn SSE", sse_figures),
+    ):
         shown = ", ".join(f"{figure:.1f}" for figure in figures)
         print(f"{name}: server CPU per message {min(figures):.1f} us (rounds: {shown})")
-    print(f"ratio grpc.aio / SSE: {min(grpc_figures) / min(sse_figures):.1f}x")
+    print(f"ratio grpc.aio on uvloop / SSE: {min(grpc_figures) / min(sse_figures):.1f}x")
 
 
 if __name__ == "__main__":

@@ -269,7 +269,7 @@ def markdown(results: dict[str, dict[str, Any]]) -> str:
 
 def frontend_heavy_round(model_dir: Path, before: str | None) -> dict[str, Any]:
     """vLLM's OpenAI server, then our stack at `before` (if given), then as this checkout,
-    each on every frontend-heavy workload."""
+    then vLLM's engine client alone, each on every frontend-heavy workload."""
     print("profile: frontend-heavy, vLLM's OpenAI server", flush=True)
     measured_round = {frontend_heavy.VLLM: profile_vllm(model_dir, frontend_heavy.FRONTEND_HEAVY)}
     builds = {frontend_heavy.BEFORE: before} if before else {}
@@ -281,7 +281,17 @@ def frontend_heavy_round(model_dir: Path, before: str | None) -> dict[str, Any]:
             measured_round[server] = profile_stack(
                 stack, model_dir, workloads=frontend_heavy.FRONTEND_HEAVY
             )
+    print("profile: frontend-heavy, vLLM's engine client alone (no transport)", flush=True)
+    measured_round[frontend_heavy.FLOOR] = engine_floor()
     return measured_round
+
+
+def engine_floor() -> dict[str, Any]:
+    """bench/engine_floor.py in a process of its own, so that its CPU is all it measures."""
+    with tempfile.TemporaryDirectory(prefix="bench-floor-") as scratch:
+        out = Path(scratch) / "floor.json"
+        subprocess.run([sys.executable, "-m", "bench.engine_floor", "--out", str(out)], check=True)
+        return json.loads(out.read_text())
 
 
 def run_frontend_heavy(rounds: int, out: Path, before: str | None) -> None:

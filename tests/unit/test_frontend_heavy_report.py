@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from bench import frontend_heavy
-from bench.frontend_heavy import BEFORE, OURS, VLLM
+from bench.frontend_heavy import BEFORE, FLOOR, OURS, VLLM
 
 
 def run(frontend: float, envoy: float = 0.0, messages: float | None = None) -> dict[str, Any]:
@@ -61,3 +61,20 @@ def test_an_earlier_commit_is_compared_with_vllm_and_with_this_checkout() -> Non
     assert "| fh-c64 | ours / ours before | 0.87x (0.87-0.87) | 0.80x (0.80-0.80) |" in report
     assert "| fh-c64 | ours before gRPC | 1000 | 0.100 | 0.000 | 0.100 | 1.000 | 1.00 |" in report
     assert "| fh-c64 | vLLM REST | 1000 | 0.100 | - | 0.100 | 1.000 | - |" in report
+
+
+def test_each_server_is_shown_above_the_engine_client_alone() -> None:
+    rounds = []
+    for floor in (0.04, 0.05, 0.06):
+        measured = measured_round(0.10, 0.08, None)
+        measured[FLOOR] = {w.name: {"none": run(floor)} for w in frontend_heavy.FRONTEND_HEAVY}
+        rounds.append(measured)
+    summary = frontend_heavy.summarize(rounds)
+    found = summary["fh-c64"]["above_floor"]
+    assert found["floor"] == pytest.approx(0.05)
+    assert found["vLLM"] == pytest.approx(0.05)
+    assert found["ours gRPC"] == pytest.approx(0.03)
+    assert found["ours REST"] == pytest.approx(0.08)  # Envoy's 0.05 included
+    report = frontend_heavy.markdown(summary, 3)
+    assert "| fh-c256 | 0.050 | 0.050 | 0.030 | 0.080 |" in report
+    assert "| fh-c64 | engine client alone | 1000 | 0.050 | - |" in report
