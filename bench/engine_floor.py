@@ -15,18 +15,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 import uvloop
 from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from bench.frontend_heavy import FRONTEND_HEAVY
+from bench.profile import Roles
 from bench.run import MODEL, same_prompts
 from bench.servers import ENGINE_ARGS
 from bench.tiny_model import prepare_tiny_model
@@ -59,23 +60,6 @@ async def run_workload(engine: AsyncLLM, prompts: list[list[int]], workload: Wor
     return sum(counts)
 
 
-def cpu_seconds() -> dict[str, float]:
-    """CPU time so far of this process (all its threads) and of its engine-core children."""
-    this = psutil.Process()
-    return {
-        "frontend": busy(this),
-        "engine": sum(busy(child) for child in this.children(recursive=True)),
-    }
-
-
-def busy(process: psutil.Process) -> float:
-    try:
-        times = process.cpu_times()
-    except psutil.NoSuchProcess:
-        return 0.0
-    return times.user + times.system
-
-
 async def measure(model_dir: Path) -> dict[str, Any]:
     settings = EngineSettings(
         model=model_dir,
@@ -87,14 +71,15 @@ async def measure(model_dir: Path) -> dict[str, Any]:
     )
     served = await asyncio.to_thread(start_engine, settings)
     encode = served.tokenizer.encode
+    this_process = Roles(os.getpid())  # the engine core is its child
     results: dict[str, Any] = {}
     try:
         await run_workload(served.engine, [encode("warm up")] * WARMUP.num_prompts, WARMUP)
         for workload in FRONTEND_HEAVY:
             prompts = [encode(text) for text in same_prompts(model_dir, workload)]
-            started, cpu_before = time.perf_counter(), cpu_seconds()
+            started, cpu_before = time.perf_counter(), this_process.cpu_seconds()
             tokens = await run_workload(served.engine, prompts, workload)
-            cpu_after, duration = cpu_seconds(), time.perf_counter() - started
+            cpu_after, duration = this_process.cpu_seconds(), time.perf_counter() - started
             per_token = {
                 role: (cpu_after[role] - cpu_before[role]) * 1000 / max(tokens, 1)
                 for role in cpu_after

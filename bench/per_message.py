@@ -1,8 +1,8 @@
 """Server CPU per streamed message of the two transports a streaming token pays for: a bare
 grpc.aio server-streaming method (our frontend's transport, on uvloop as the service runs it,
 and on asyncio's own loop) and a bare Starlette/uvicorn SSE response (vLLM's OpenAI server's),
-each streaming the same small completion chunk to 64 concurrent streams over loopback. Nothing else runs in either server, so the figure is the
-transport's own cost per token.
+each streaming the same small completion chunk to 64 concurrent streams over loopback. Nothing
+else runs in either server, so the figure is the transport's own cost per token.
 
 Usage: python -m bench.per_message [--rounds 3]
 """
