@@ -20,7 +20,7 @@ class RequestTiming:
     ttft: float = 0.0
     latency: float = 0.0
     output_tokens: int = 0
-    text_messages: int = 0  # messages carrying generated text
+    output_messages: int = 0  # messages carrying output (text or not), the usage one aside
     gaps: list[float] = field(default_factory=list)
 
 
@@ -31,8 +31,9 @@ async def one_request(
     started = last = time.perf_counter()
     async for message in stub.CreateCompletion(request, timeout=600):
         now = time.perf_counter()
+        # A token can arrive with no text yet (part of a character): a message all the same.
+        timing.output_messages += 1 if message.choices else 0
         if message.choices and message.choices[0].text:
-            timing.text_messages += 1
             if timing.ttft == 0.0:
                 timing.ttft = now - started
             else:
@@ -89,5 +90,5 @@ def summarize(timings: list[RequestTiming], duration: float) -> dict[str, Any]:
         "median_itl_ms": float(np.median(itls)) * 1000 if itls else 0.0,
         "p99_itl_ms": float(np.percentile(itls, 99)) * 1000 if itls else 0.0,
         # Below 1 when deltas were merged (the engine got ahead of the stream).
-        "messages_per_token": sum(t.text_messages for t in timings) / max(output_tokens, 1),
+        "messages_per_token": sum(t.output_messages for t in timings) / max(output_tokens, 1),
     }
