@@ -32,7 +32,7 @@ from bench.run import MODEL, same_prompts
 from bench.servers import ENGINE_ARGS
 from bench.tiny_model import prepare_tiny_model
 from bench.workloads import Workload
-from service.engine import start_engine
+from service.model.engine import start_engine
 from service.settings import EngineSettings
 
 WARMUP = Workload("warmup", concurrency=4, num_prompts=4, input_len=16, output_len=8)

@@ -45,7 +45,7 @@ from bench.servers import OurStack, VllmOpenAIServer
 from bench.spy_summary import summarize_stacks
 from bench.tiny_model import prepare_tiny_model, tiny_settings
 from bench.workloads import Workload
-from service.default_model import prepare_default_model
+from service.model.default_model import prepare_default_model
 
 WORKLOAD = Workload("c32", concurrency=32, num_prompts=64, input_len=64, output_len=64)
 WARMUP = Workload("warmup", concurrency=4, num_prompts=4, input_len=16, output_len=8)

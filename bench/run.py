@@ -21,7 +21,7 @@ from bench.grpc_client import run_load
 from bench.report import write_report
 from bench.servers import OurStack, PeakRss, VllmOpenAIServer
 from bench.workloads import FULL, QUICK, Workload
-from service.default_model import DEFAULT_SERVED_MODEL_NAME, prepare_default_model
+from service.model.default_model import DEFAULT_SERVED_MODEL_NAME, prepare_default_model
 
 MODEL = DEFAULT_SERVED_MODEL_NAME
 

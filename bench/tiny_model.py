@@ -12,7 +12,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from service.default_model import exclusive_lock, prepare_default_model
+from service.model.default_model import exclusive_lock, prepare_default_model
 
 NUM_LAYERS = 1
 HIDDEN_SIZE = 64

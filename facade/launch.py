@@ -21,8 +21,8 @@ import yaml
 from llmcompletions.v2 import completions_pb2
 
 from facade.pools import Pool, PoolError, discover, listing_header, parse_pool
-from service.endpoint_models import ENDPOINT_MODELS_HEADER
 from service.settings import ServerSettings
+from service.transport.endpoint_models import ENDPOINT_MODELS_HEADER
 
 FACADE_DIR = Path(__file__).resolve().parent
 ENVOY_TEMPLATE = FACADE_DIR.parent / "envoy.yaml"

@@ -13,7 +13,7 @@ import grpc
 from llmcompletions.v2 import completions_pb2_grpc
 from llmcompletions.v2.completions_pb2 import ListModelsRequest, ListModelsResponse
 
-# Envoy passes the endpoint's listing in service.endpoint_models.ENDPOINT_MODELS_HEADER, base64.
+# Envoy passes the endpoint's listing in endpoint_models.ENDPOINT_MODELS_HEADER, base64.
 # A gRPC server refuses request metadata past 8 KiB by default; the listing stays well inside.
 MAX_LISTING_HEADER_BYTES = 6 * 1024
 DISCOVERY_POLL_SECONDS = 2.0

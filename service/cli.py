@@ -18,9 +18,9 @@ from typing import Any, NoReturn
 import uvloop
 
 from service import __version__
-from service.default_model import DEFAULT_SERVED_MODEL_NAME
-from service.logs import configure_logging
+from service.model.default_model import DEFAULT_SERVED_MODEL_NAME
 from service.settings import EngineSettings, LoraModule, RequestLimits, ServerSettings
+from service.transport.logs import configure_logging
 
 COMMANDS = ("serve", "prepare-model")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -381,9 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from service.adapters import AdapterError, check_adapters
-    from service.default_model import model_directory
-    from service.server import serve
+    from service.model.adapters import AdapterError, check_adapters
+    from service.model.default_model import model_directory
+    from service.transport.server import serve
 
     served_name = args.served_model_name or (
         DEFAULT_SERVED_MODEL_NAME if args.model is None else args.model.resolve().name
@@ -456,7 +456,7 @@ def exit_now(code: int) -> NoReturn:
 
 
 def run_prepare_model(_: argparse.Namespace) -> int:
-    from service.default_model import prepare_default_model
+    from service.model.default_model import prepare_default_model
 
     print(prepare_default_model())
     return 0

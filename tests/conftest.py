@@ -12,7 +12,7 @@ import pytest
 from llmcompletions.v2 import completions_pb2_grpc
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from service.default_model import DEFAULT_SERVED_MODEL_NAME, prepare_default_model
+from service.model.default_model import DEFAULT_SERVED_MODEL_NAME, prepare_default_model
 from tests.processes import TestStack, free_port
 
 MODEL = DEFAULT_SERVED_MODEL_NAME

@@ -17,11 +17,12 @@ from typing import Any
 from vllm.outputs import RequestOutput
 from vllm.v1.engine.exceptions import EngineGenerateError
 
-from service import cli, server
-from service.engine import ServedModel, start_engine
+from service import cli
+from service.model.engine import ServedModel, start_engine
 from service.settings import EngineSettings
+from service.transport import server
 
-# Engine request ids start with the request id (service.completions).
+# Engine request ids start with the request id (service.api.completions).
 FAULT = re.compile(r"^inject-engine-error-after-(\d{1,6})-")
 
 

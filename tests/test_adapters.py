@@ -141,7 +141,7 @@ def test_adapter_echo_logprobs_equal_vllm(rest: httpx.Client, vllm_server: str) 
 def test_base_and_adapters_batched_together_each_get_their_own_output(
     rest: httpx.Client,
 ) -> None:
-    """The CPU engine bug (service/cpu_lora_fix.py): without the fix, the base model's
+    """The CPU engine bug (service/model/cpu_lora_fix.py): without the fix, the base model's
     requests in a batch with adapter requests come back with an adapter's text."""
     models = [MODEL, *ADAPTERS]
     alone = {model: completion(rest, model, prompt=CAPITAL_PROMPT, logprobs=1) for model in models}

@@ -156,7 +156,7 @@ class Replica:
                 continue
             entry = json.loads(line)
             at = datetime.fromisoformat(entry["time"]).timestamp()
-            if at >= since and entry.get("logger") == "service.server":
+            if at >= since and entry.get("logger") == "service.transport.server":
                 seen.setdefault(entry["message"].split(";")[0].split(" (")[0], at)
         return seen
 

@@ -10,9 +10,9 @@ MAIN = "<module> (service/__main__.py:1)"
 STACKS = "\n".join(
     [
         f"{MAIN};run (asyncio/runners.py:118);Handle._run (asyncio/events.py:78) 6",
-        f"{MAIN};CompletionHandler.complete (service/completions.py:68)"
-        ";StreamAssembler.chunk (service/responses.py:197) 3",
-        "_bootstrap (threading.py:1002);prepare_prompts (service/prompts.py:99)"
+        f"{MAIN};CompletionHandler.complete (service/api/completions.py:68)"
+        ";StreamAssembler.chunk (service/api/responses.py:197) 3",
+        "_bootstrap (threading.py:1002);prepare_prompts (service/api/prompts.py:99)"
         ";deepcopy (copy.py:128) 1",
     ]
 )
@@ -31,4 +31,4 @@ def test_samples_count_for_their_innermost_frame_and_our_functions_inclusively(
     assert groups["copy.deepcopy (vLLM's tokenizer pool)"] == 0.1
     top = dict(summary["top"])
     assert top[MAIN] == 0.9
-    assert top["prepare_prompts (service/prompts.py:99)"] == 0.1
+    assert top["prepare_prompts (service/api/prompts.py:99)"] == 0.1

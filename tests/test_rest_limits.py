@@ -16,7 +16,7 @@ from llmcompletions.client import CompletionClient
 from llmcompletions.v2 import completions_pb2_grpc
 
 from facade.launch import DEFAULT_MAX_REQUEST_BYTES
-from service.errors import MAX_QUOTED_NAME_CHARS
+from service.api.errors import MAX_QUOTED_NAME_CHARS
 from tests.conftest import API_KEY, AUTH_HEADERS, GRPC_AUTH, MODEL
 from tests.helpers import body, grpc_request, post
 from tests.processes import TestStack, free_port

@@ -11,7 +11,7 @@ import time
 import httpx
 import psutil
 
-from service.admission import RETRY_AFTER_SECONDS
+from service.transport.admission import RETRY_AFTER_SECONDS
 from tests.conftest import AUTH_HEADERS, MAX_IN_FLIGHT, MAX_WAITING
 from tests.helpers import body
 from tests.metrics import sample

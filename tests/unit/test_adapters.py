@@ -1,4 +1,4 @@
-"""service/adapters.py and service/cpu_lora_fix.py: the served names and how a request's
+"""service/model/adapters.py and service/model/cpu_lora_fix.py: the served names and how a request's
 `model` resolves, the start-up checks on hand-written adapter directories, the engine's LoRA
 arguments, and the vLLM CPU bug the workaround exists for."""
 
@@ -13,8 +13,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from vllm.lora.request import LoRARequest
 
-from service import cpu_lora_fix
-from service.adapters import (
+from service.api.errors import MAX_MESSAGE_BYTES, ModelNotFoundError
+from service.model import cpu_lora_fix
+from service.model.adapters import (
     AdapterError,
     ModelCatalog,
     build_catalog,
@@ -22,8 +23,7 @@ from service.adapters import (
     lora_requests,
     same_base,
 )
-from service.engine import lora_args
-from service.errors import MAX_MESSAGE_BYTES, ModelNotFoundError
+from service.model.engine import lora_args
 from service.settings import EngineSettings, LoraModule
 
 BASE = "smollm2-135m-instruct"
@@ -240,9 +240,9 @@ def test_no_stand_in_where_the_engine_has_no_bug(
 
 
 def test_vllms_cpu_lora_op_still_applies_the_last_adapter_without_one() -> None:
-    """The bug service/cpu_lora_fix.py works around (vLLM 0.32.0, CPU build). When this
+    """The bug service/model/cpu_lora_fix.py works around (vLLM 0.32.0, CPU build). When this
     fails, the installed vLLM has the fix (vllm-project/vllm#48421 or #49656): the
-    workaround has switched itself off; delete service/cpu_lora_fix.py, its use in
-    service/adapters.py and the README's note."""
+    workaround has switched itself off; delete service/model/cpu_lora_fix.py, its use in
+    service/model/adapters.py and the README's note."""
     assert cpu_lora_fix.lora_op_applies_last_slot_without_adapter()
     assert cpu_lora_fix.needed()  # this is the CPU build

@@ -1,4 +1,4 @@
-"""service/admission.py: at most max_in_flight requests run, at most max_waiting wait, the
+"""service/transport/admission.py: at most max_in_flight requests run, at most max_waiting wait, the
 rest are refused at once with RESOURCE_EXHAUSTED and a retry hint."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import grpc
 import pytest
 from prometheus_client import REGISTRY
 
-from service.admission import Admission, OverloadedError
+from service.transport.admission import Admission, OverloadedError
 
 
 @contextlib.asynccontextmanager

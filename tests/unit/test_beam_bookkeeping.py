@@ -1,4 +1,4 @@
-"""service/beam_search.py: the scoring and stopping helpers, and the search loop over a tiny
+"""service/api/beam_search.py: the scoring and stopping helpers, and the search loop over a tiny
 fake engine whose next-token log-probabilities are a fixed table."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from vllm.lora.request import LoRARequest
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 
-from service.beam_search import Beam, BeamSearchSettings, beam_search, completion, search_done
-from service.prompts import PreparedPrompt
-from service.responses import ChoicePlan, EngineSlot, ResponseHeader, whole_response
+from service.api.beam_search import Beam, BeamSearchSettings, beam_search, completion, search_done
+from service.api.prompts import PreparedPrompt
+from service.api.responses import ChoicePlan, EngineSlot, ResponseHeader, whole_response
 
 PROMPT = [2, 3]
 # Generated-so-far -> next-token log-probabilities. Tokens: 10 " A", 11 " B", 12 " C", 13 " D".

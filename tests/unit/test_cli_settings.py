@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from service import __version__, cli
-from service.default_model import DEFAULT_SERVED_MODEL_NAME
+from service.model.default_model import DEFAULT_SERVED_MODEL_NAME
 from service.settings import EngineSettings, LoraModule, RequestLimits, ServerSettings
 
 MIB = 1024 * 1024
@@ -474,7 +474,7 @@ def test_a_limit_from_the_environment_is_checked_too(
 
 @pytest.fixture
 def served(monkeypatch: pytest.MonkeyPatch) -> list[tuple[ServerSettings, EngineSettings]]:
-    import service.server
+    import service.transport.server
 
     received: list[tuple[ServerSettings, EngineSettings]] = []
 
@@ -482,7 +482,7 @@ def served(monkeypatch: pytest.MonkeyPatch) -> list[tuple[ServerSettings, Engine
         received.append((server, engine))
         return 0
 
-    monkeypatch.setattr(service.server, "serve", fake_serve)
+    monkeypatch.setattr(service.transport.server, "serve", fake_serve)
     return received
 
 
@@ -625,10 +625,12 @@ def test_run_serve_checks_the_adapters_and_passes_them_on(
     monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
 ) -> None:
-    import service.adapters
+    import service.model.adapters
 
     checked: list[tuple[Any, ...]] = []
-    monkeypatch.setattr(service.adapters, "check_adapters", lambda *args: checked.append(args))
+    monkeypatch.setattr(
+        service.model.adapters, "check_adapters", lambda *args: checked.append(args)
+    )
     args = parse(
         "serve", "--model", str(tmp_path), "--lora-modules", "a=/x", "--max-lora-rank", "8"
     )

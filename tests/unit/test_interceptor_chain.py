@@ -16,12 +16,12 @@ from llmcompletions.v2.completions_pb2 import (
     CreateCompletionResponse,
 )
 
-from service.admission import Admission, AdmissionInterceptor
-from service.error_mapping import ErrorMappingInterceptor
-from service.errors import ModelNotFoundError
-from service.observability import REQUESTS
-from service.request_context import RequestContextInterceptor
-from service.rest_bridge import END_OF_EVENTS, FRAMING_HEADER, HTTP_STATUS_HEADER
+from service.api.errors import ModelNotFoundError
+from service.transport.admission import Admission, AdmissionInterceptor
+from service.transport.error_mapping import ErrorMappingInterceptor
+from service.transport.observability import REQUESTS
+from service.transport.request_context import RequestContextInterceptor
+from service.transport.rest_bridge import END_OF_EVENTS, FRAMING_HEADER, HTTP_STATUS_HEADER
 
 METHOD = "CreateCompletion"
 METHODS = frozenset({f"/x/{METHOD}"})

@@ -1,4 +1,4 @@
-"""service/logprobs.py: vLLM's per-position log-probabilities in the completion API's shape."""
+"""service/api/logprobs.py: vLLM's per-position log-probabilities in the completion API's shape."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from google.protobuf import json_format
 from llmcompletions.v2.completions_pb2 import Logprobs
 from unit_fakes import FakeTokenizer, logprob_step
 
-from service.logprobs import LOGPROB_FLOOR, clamp, decoded, next_offset, token_logprobs
+from service.api.logprobs import LOGPROB_FLOOR, clamp, decoded, next_offset, token_logprobs
 
 
 def shaped(logprobs: Logprobs) -> dict:

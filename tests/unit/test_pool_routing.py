@@ -12,7 +12,7 @@ from llmcompletions.v2.completions_pb2 import ListModelsResponse, Model
 
 from facade import launch
 from facade.pools import Pool, PoolError, checked, listing_header, parse_pool
-from service import endpoint_models
+from service.transport import endpoint_models
 
 
 def pools() -> list[Pool]:

@@ -1,4 +1,4 @@
-"""service/prompts.py: the four forms of `prompt`, what is refused and where, and turning
+"""service/api/prompts.py: the four forms of `prompt`, what is refused and where, and turning
 prompts into token ids and echo text (with a small word-level tokenizer)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from google.protobuf import json_format, struct_pb2
 from unit_fakes import BOS, VOCAB_SIZE, FakeTokenizer
 
-from service.prompts import (
+from service.api.prompts import (
     PreparedPrompt,
     PromptFormError,
     PromptInput,

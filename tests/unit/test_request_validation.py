@@ -1,4 +1,4 @@
-"""service/validation.py: every limit of the contract, all violations of a request reported
+"""service/api/validation.py: every limit of the contract, all violations of a request reported
 together, and the size limits of RequestLimits."""
 
 from __future__ import annotations
@@ -10,16 +10,16 @@ import pytest
 from llmcompletions.v2.completions_pb2 import CreateCompletionRequest
 from unit_fakes import MODEL, OMIT, VOCAB_SIZE, make_request
 
-from service.errors import RequestValidationError
-from service.prompts import PromptInput
-from service.settings import RequestLimits
-from service.validation import (
+from service.api.errors import RequestValidationError
+from service.api.prompts import PromptInput
+from service.api.validation import (
     NUMERIC_RANGES,
     Bound,
     describe_range,
     range_violation,
     validate_request,
 )
+from service.settings import RequestLimits
 
 BACKEND = "xgrammar"
 
@@ -510,8 +510,8 @@ def test_the_model_name_is_not_checked_here() -> None:
 
 def test_max_prompt_tokens_counts_all_prompts_after_tokenization() -> None:
     # Checked by the handler once prompts are tokens (text prompts have no count before).
-    from service.completions import check_prompt_tokens
-    from service.prompts import PreparedPrompt
+    from service.api.completions import check_prompt_tokens
+    from service.api.prompts import PreparedPrompt
 
     limit = RequestLimits().max_prompt_tokens
     half = PreparedPrompt(token_ids=[5] * (limit // 2), text="")

@@ -1,4 +1,4 @@
-"""service/responses.py: whole responses and stream chunks from hand-made vLLM
+"""service/api/responses.py: whole responses and stream chunks from hand-made vLLM
 RequestOutput / CompletionOutput objects, as vLLM's own output-processing tests build them."""
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from vllm.logprobs import FlatLogprobs
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 
-from service.errors import EngineUnavailableError, InternalError
-from service.prompts import PreparedPrompt
-from service.responses import (
+from service.api.errors import EngineUnavailableError, InternalError
+from service.api.prompts import PreparedPrompt
+from service.api.responses import (
     OBJECT_TYPE,
     ChoicePlan,
     EngineSlot,

@@ -10,8 +10,8 @@ import grpc
 import pytest
 from google.protobuf import json_format
 
-from service import rest_bridge
-from service.errors import FieldViolation, ModelNotFoundError, RequestValidationError
+from service.api.errors import FieldViolation, ModelNotFoundError, RequestValidationError
+from service.transport import rest_bridge
 
 LUA = (Path(__file__).resolve().parents[2] / "facade" / "completions.lua").read_text()
 

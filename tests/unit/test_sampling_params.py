@@ -1,4 +1,4 @@
-"""service/sampling.py: requests as vLLM SamplingParams and beam-search settings."""
+"""service/api/sampling.py: requests as vLLM SamplingParams and beam-search settings."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from vllm.sampling_params import (
 )
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-from service.beam_search import BeamSearchSettings
-from service.sampling import (
+from service.api.beam_search import BeamSearchSettings
+from service.api.sampling import (
     DEFAULT_MAX_TOKENS,
     beam_search_settings,
     early_stopping,

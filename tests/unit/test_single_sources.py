@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import service
-from service.validation import DECLARED_RANGES, describe_range
+from service.api.validation import DECLARED_RANGES, describe_range
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()

@@ -1,4 +1,4 @@
-"""service/constraints.py: guided_* fields and response_format as vLLM's
+"""service/api/constraints.py: guided_* fields and response_format as vLLM's
 StructuredOutputsParams."""
 
 from __future__ import annotations
@@ -14,17 +14,17 @@ from unit_fakes import make_request
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import StructuredOutputsParams
 
-from service import constraints
-from service.completions import CompletionHandler
-from service.constraints import (
+from service.api import constraints
+from service.api.completions import CompletionHandler
+from service.api.constraints import (
     constraint_field,
     json_constraint,
     json_value,
     restore_integers,
     structured_outputs,
 )
-from service.errors import RequestValidationError
-from service.sampling import sampling_params
+from service.api.errors import RequestValidationError
+from service.api.sampling import sampling_params
 from service.settings import RequestLimits
 
 SCHEMA = {

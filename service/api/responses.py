@@ -19,11 +19,11 @@ from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.tokenizers import TokenizerLike
 
-from service.beam_search import BeamSearchSettings
-from service.errors import CompletionError, utc_timestamp
-from service.logprobs import StepLogprobs, next_offset, token_logprobs
-from service.prompts import PreparedPrompt
-from service.rest_bridge import http_status
+from service.api.beam_search import BeamSearchSettings
+from service.api.errors import CompletionError, utc_timestamp
+from service.api.logprobs import StepLogprobs, next_offset, token_logprobs
+from service.api.prompts import PreparedPrompt
+from service.transport.rest_bridge import http_status
 
 OBJECT_TYPE = "text_completion"
 

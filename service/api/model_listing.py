@@ -15,7 +15,7 @@ from llmcompletions.v2.completions_pb2 import (
     Model,
 )
 
-from service.engine import ServedModel
+from service.model.engine import ServedModel
 
 OWNED_BY = "llm-completions"
 

@@ -8,8 +8,8 @@ from google.protobuf import struct_pb2
 from llmcompletions.v2.completions_pb2 import CreateCompletionRequest
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
-from service.beam_search import BeamSearchSettings, EarlyStopping
-from service.constraints import structured_outputs
+from service.api.beam_search import BeamSearchSettings, EarlyStopping
+from service.api.constraints import structured_outputs
 
 DEFAULT_MAX_TOKENS = 16
 

@@ -14,11 +14,11 @@ import grpc
 from google.protobuf.message import Message
 from grpc_status import rpc_status
 
-from service.errors import CompletionError, InternalError, ReplyTooLargeError
-from service.interception import StreamBehaviour, StreamInterceptor
-from service.request_context import REQUEST_ID_HEADER, current_record
-from service.responses import stream_error_chunk
-from service.rest_bridge import END_OF_EVENTS, RestCall, error_metadata, rest_call
+from service.api.errors import CompletionError, InternalError, ReplyTooLargeError
+from service.api.responses import stream_error_chunk
+from service.transport.interception import StreamBehaviour, StreamInterceptor
+from service.transport.request_context import REQUEST_ID_HEADER, current_record
+from service.transport.rest_bridge import END_OF_EVENTS, RestCall, error_metadata, rest_call
 
 logger = logging.getLogger(__name__)
 

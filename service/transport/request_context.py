@@ -1,6 +1,6 @@
 """The outermost interceptor: every call gets a request id and a record, and is counted and
 logged once with its true final status, whether it was served, refused or expired. It also
-binds what the facade passed about the endpoint's models (`service.endpoint_models`)."""
+binds what the facade passed about the endpoint's models (`service.transport.endpoint_models`)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import grpc
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
-from service import endpoint_models
-from service.interception import StreamBehaviour, StreamInterceptor
-from service.observability import RequestRecord
+from service.transport import endpoint_models
+from service.transport.interception import StreamBehaviour, StreamInterceptor
+from service.transport.observability import RequestRecord
 
 REQUEST_ID_HEADER = "x-request-id"
 # Accepted from callers as is; anything else is replaced, so ids stay safe to log and echo.

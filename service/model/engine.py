@@ -16,10 +16,10 @@ from vllm.platforms import current_platform
 from vllm.tokenizers import TokenizerLike
 from vllm.v1.engine.async_llm import AsyncLLM
 
-from service.adapters import ModelCatalog, build_catalog
-from service.default_model import model_directory
+from service.api.validation import MAX_BEST_OF
+from service.model.adapters import ModelCatalog, build_catalog
+from service.model.default_model import model_directory
 from service.settings import EngineSettings
-from service.validation import MAX_BEST_OF
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from llmcompletions.v2.completions_pb2 import CreateCompletionResponse
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 from vllm.v1.engine.async_llm import AsyncLLM
 
-from service.rest_bridge import END_OF_EVENTS
+from service.transport.rest_bridge import END_OF_EVENTS
 
 logger = logging.getLogger("service.requests")
 

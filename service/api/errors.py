@@ -1,5 +1,5 @@
 """Errors a completion request can end with: a gRPC code, a message and, for validation,
-the fields at fault. How they reach REST callers is `service.rest_bridge`'s business.
+the fields at fault. How they reach REST callers is `service.transport.rest_bridge`'s business.
 
 Messages and field descriptions are bounded: a value quoted from the request is clipped
 (`quote`), and every message is cut to a byte budget, whatever produced it (our validation,

@@ -14,9 +14,10 @@ from vllm.config.lora import MaxLoRARanks
 from vllm.lora.request import LoRARequest
 from vllm.v1.engine.async_llm import AsyncLLM
 
-from service import cpu_lora_fix, endpoint_models
-from service.errors import ModelNotFoundError, quote
+from service.api.errors import ModelNotFoundError, quote
+from service.model import cpu_lora_fix
 from service.settings import EngineSettings, LoraModule
+from service.transport import endpoint_models
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
@@ -43,7 +44,7 @@ class ModelCatalog:
 
     base: str
     adapters: Mapping[str, LoRARequest] = field(default_factory=dict)
-    # Stands in for "no adapter" on engines whose LoRA ops mishandle it (service.cpu_lora_fix).
+    # Stands in for "no adapter" on engines whose LoRA ops mishandle it (cpu_lora_fix).
     base_adapter: LoRARequest | None = None
 
     @property

@@ -12,19 +12,19 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from llmcompletions.v2 import completions_pb2, completions_pb2_grpc
 
-from service.adapters import AdapterError, load_adapters
-from service.admission import Admission, AdmissionInterceptor
-from service.auth import ApiKeyInterceptor
-from service.completions import CompletionHandler
-from service.engine import ServedModel, start_engine
-from service.error_mapping import ErrorMappingInterceptor
-from service.interception import StreamInterceptor
-from service.model_listing import ModelListing
-from service.observability import serve_metrics, watch_engine_gauges
-from service.request_context import RequestContextInterceptor
-from service.servicer import CompletionServicer, Serving
+from service.api.completions import CompletionHandler
+from service.api.model_listing import ModelListing
+from service.api.tokenization import Tokenization
+from service.model.adapters import AdapterError, load_adapters
+from service.model.engine import ServedModel, start_engine
 from service.settings import EngineSettings, ServerSettings
-from service.tokenization import Tokenization
+from service.transport.admission import Admission, AdmissionInterceptor
+from service.transport.auth import ApiKeyInterceptor
+from service.transport.error_mapping import ErrorMappingInterceptor
+from service.transport.interception import StreamInterceptor
+from service.transport.observability import serve_metrics, watch_engine_gauges
+from service.transport.request_context import RequestContextInterceptor
+from service.transport.servicer import CompletionServicer, Serving
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The gRPC servicer: hands each request to the serving logic and returns what it makes.
 Everything around a call (its id and record, authentication, admission, error statuses and
-the REST framing) is done by the interceptor chain (`service.interception`)."""
+the REST framing) is done by the interceptor chain (`service.transport.interception`)."""
 
 from __future__ import annotations
 
@@ -22,12 +22,12 @@ from llmcompletions.v2.completions_pb2 import (
     TokenizeResponse,
 )
 
-from service import endpoint_models
-from service.completions import CompletionHandler
-from service.errors import EngineUnavailableError
-from service.model_listing import ModelListing
-from service.request_context import current_record
-from service.tokenization import Tokenization
+from service.api.completions import CompletionHandler
+from service.api.errors import EngineUnavailableError
+from service.api.model_listing import ModelListing
+from service.api.tokenization import Tokenization
+from service.transport import endpoint_models
+from service.transport.request_context import current_record
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 is given, around the handler the rest of the chain returns. Each interceptor is written once,
 for server-streaming calls; a unary call runs through it as a stream of one message.
 
-The chain (built in `service.server`, outermost first): request context (id, record,
+The chain (built in `service.transport.server`, outermost first): request context (id, record,
 metrics, log line) -> authentication -> admission -> error mapping -> the servicer.
 """
 

@@ -16,9 +16,9 @@ from llmcompletions.v2.completions_pb2 import (
     TokenizeRequest,
 )
 
-from service.errors import FieldViolation, Loc, RequestValidationError, quote
-from service.prompts import PreparedPrompt, PromptFormError, PromptInput, parse_prompt
-from service.sampling import requested_max_tokens
+from service.api.errors import FieldViolation, Loc, RequestValidationError, quote
+from service.api.prompts import PreparedPrompt, PromptFormError, PromptInput, parse_prompt
+from service.api.sampling import requested_max_tokens
 from service.settings import RequestLimits
 
 MAX_STOP_STRINGS = 4

@@ -22,7 +22,7 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 from llmcompletions.v2.completions_pb2 import CreateCompletionResponse
 
-from service.errors import CompletionError, ReplyTooLargeError
+from service.api.errors import CompletionError, ReplyTooLargeError
 
 Metadata = Sequence[tuple[str, str | bytes]]
 

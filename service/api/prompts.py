@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from google.protobuf import struct_pb2
 from vllm.tokenizers import TokenizerLike
 
-from service.errors import Loc
+from service.api.errors import Loc
 
 
 class PromptFormError(ValueError):

@@ -16,10 +16,9 @@ from vllm.tokenizers import TokenizerLike
 from vllm.utils.async_utils import merge_async_iterators
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
-from service.beam_search import BeamSearchSettings, beam_search
-from service.constraints import constraint_field
-from service.engine import ServedModel
-from service.errors import (
+from service.api.beam_search import BeamSearchSettings, beam_search
+from service.api.constraints import constraint_field
+from service.api.errors import (
     CompletionError,
     ContextLengthError,
     EngineUnavailableError,
@@ -27,16 +26,15 @@ from service.errors import (
     InternalError,
     RequestValidationError,
 )
-from service.observability import RequestRecord
-from service.prompts import PreparedPrompt, prepare_prompts
-from service.responses import (
+from service.api.prompts import PreparedPrompt, prepare_prompts
+from service.api.responses import (
     ChoicePlan,
     EngineSlot,
     ResponseHeader,
     StreamAssembler,
     whole_response,
 )
-from service.sampling import (
+from service.api.sampling import (
     beam_search_settings,
     is_greedy,
     requested_candidates,
@@ -45,8 +43,10 @@ from service.sampling import (
     requested_n,
     sampling_params,
 )
+from service.api.validation import check_prompt_tokens, validate_request
+from service.model.engine import ServedModel
 from service.settings import RequestLimits
-from service.validation import check_prompt_tokens, validate_request
+from service.transport.observability import RequestRecord
 
 logger = logging.getLogger(__name__)
 

@@ -10,9 +10,9 @@ import grpc
 from google.protobuf.message import Message
 from prometheus_client import Gauge
 
-from service.error_mapping import abort_with
-from service.errors import CompletionError
-from service.interception import StreamBehaviour, StreamInterceptor
+from service.api.errors import CompletionError
+from service.transport.error_mapping import abort_with
+from service.transport.interception import StreamBehaviour, StreamInterceptor
 
 IN_FLIGHT = Gauge("llmcompletions_requests_in_flight", "Admitted requests being served")
 WAITING = Gauge("llmcompletions_requests_waiting", "Requests waiting for an admission slot")

@@ -13,14 +13,14 @@ from llmcompletions.v2.completions_pb2 import (
     TokenizeResponse,
 )
 
-from service.engine import ServedModel
-from service.prompts import prepare_prompts
-from service.settings import RequestLimits
-from service.validation import (
+from service.api.prompts import prepare_prompts
+from service.api.validation import (
     check_prompt_tokens,
     validate_detokenize_request,
     validate_tokenize_request,
 )
+from service.model.engine import ServedModel
+from service.settings import RequestLimits
 
 
 class Tokenization:

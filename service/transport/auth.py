@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator
 import grpc
 from google.protobuf.message import Message
 
-from service.error_mapping import abort_with
-from service.errors import CompletionError
-from service.interception import StreamBehaviour, StreamInterceptor
+from service.api.errors import CompletionError
+from service.transport.error_mapping import abort_with
+from service.transport.interception import StreamBehaviour, StreamInterceptor
 
 BEARER = "bearer "
 

@@ -1,0 +1,2 @@
+"""The model layer: vLLM's engine, the embedded default model, LoRA adapters, and the
+engine processes' lifetime."""
