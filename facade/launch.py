@@ -21,6 +21,14 @@ import yaml
 from llmcompletions.v2 import completions_pb2
 
 from facade.pools import Pool, PoolError, discover, listing_header, parse_pool
+from facade.tls import (
+    ListenerTls,
+    UpstreamTls,
+    listener_tls,
+    listener_transport_socket,
+    upstream_tls,
+    upstream_transport_socket,
+)
 from service.settings import ServerSettings
 from service.transport.endpoint_models import ENDPOINT_MODELS_HEADER
 
@@ -232,8 +240,23 @@ def route_by_model(config: dict[str, Any], pools: Sequence[Pool], listing: str) 
     ]
 
 
-def write_config(config: dict[str, Any]) -> Path:
-    directory = Path(tempfile.mkdtemp(prefix="envoy-facade-"))
+def apply_tls(
+    config: dict[str, Any],
+    listener: ListenerTls | None,
+    upstream: UpstreamTls | None,
+    directory: Path,
+) -> None:
+    """TLS on the listener and on every cluster of replicas (health checks use it too)."""
+    if listener is not None:
+        chain = config["static_resources"]["listeners"][0]["filter_chains"][0]
+        chain["transport_socket"] = listener_transport_socket(listener, directory)
+    if upstream is not None:
+        for cluster in config["static_resources"]["clusters"]:
+            if "load_assignment" in cluster:  # not the aggregate of pools
+                cluster["transport_socket"] = upstream_transport_socket(upstream, directory)
+
+
+def write_config(config: dict[str, Any], directory: Path) -> Path:
     path = directory / "envoy.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
@@ -266,6 +289,47 @@ def positive_int(text: str) -> int:
 
 def log(message: str) -> None:
     print(f"envoy: {message}", flush=True)
+
+
+def path_option(parser: argparse.ArgumentParser, flag: str, env: str, help_text: str) -> None:
+    parser.add_argument(flag, type=Path, default=from_env(env), help=f"{help_text} (env {env})")
+
+
+def add_tls_options(parser: argparse.ArgumentParser) -> None:
+    path_option(
+        parser,
+        "--tls-cert-file",
+        "TLS_CERT_FILE",
+        "serve REST and native gRPC over TLS with this PEM certificate (chain); files renamed "
+        "into its directory are loaded without a restart; unset: plaintext",
+    )
+    path_option(parser, "--tls-key-file", "TLS_KEY_FILE", "its PEM private key")
+    path_option(
+        parser,
+        "--tls-client-ca-file",
+        "TLS_CLIENT_CA_FILE",
+        "require callers' certificates signed by these PEM CA certificates (mutual TLS)",
+    )
+    path_option(
+        parser,
+        "--upstream-ca-file",
+        "UPSTREAM_CA_FILE",
+        "reach the replicas over TLS, trusting the CA certificates in this PEM file; unset: "
+        "plaintext",
+    )
+    path_option(
+        parser,
+        "--upstream-cert-file",
+        "UPSTREAM_CERT_FILE",
+        "the PEM client certificate Envoy presents to replicas that require one",
+    )
+    path_option(parser, "--upstream-key-file", "UPSTREAM_KEY_FILE", "its PEM private key")
+
+
+def describe_tls(tls: ListenerTls | UpstreamTls | None) -> str:
+    if tls is None:
+        return "plaintext"
+    return "mutual TLS" if tls.mutual else "TLS"
 
 
 def main() -> None:
@@ -325,6 +389,7 @@ def main() -> None:
         default=from_env("ENVOY_CONCURRENCY"),
         help="Envoy worker threads (env ENVOY_CONCURRENCY; default: one per hardware thread)",
     )
+    add_tls_options(parser)
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args()
     try:
@@ -335,6 +400,13 @@ def main() -> None:
         upstreams = args.upstream or [parse_address(f"127.0.0.1:{grpc_port}")]
     except argparse.ArgumentTypeError as error:
         parser.error(f"POOLS or GRPC_PORT: {error}")
+    try:
+        listener = listener_tls(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file)
+        upstream = upstream_tls(
+            args.upstream_ca_file, args.upstream_cert_file, args.upstream_key_file
+        )
+    except argparse.ArgumentTypeError as error:
+        parser.error(str(error))
     if pools and args.upstream:
         parser.error("give either --upstream (one pool) or --pool (several), not both")
     config = render_config(
@@ -348,14 +420,21 @@ def main() -> None:
     )
     if pools:
         try:
-            pools, listing = discover(pools, os.environ.get("API_KEY"), args.discovery_timeout, log)
+            pools, listing = discover(
+                pools, os.environ.get("API_KEY"), args.discovery_timeout, log, upstream
+            )
             route_by_model(config, pools, listing_header(listing))
         except PoolError as error:
             sys.exit(f"envoy: {error}")
         upstreams = [address for pool in pools for address in pool.addresses]
-    config_path = write_config(config)
+    directory = Path(tempfile.mkdtemp(prefix="envoy-facade-"))
+    apply_tls(config, listener, upstream, directory)
+    config_path = write_config(config, directory)
     command = envoy_command(config_path, args.log_level, args.concurrency)
-    log(f"REST on {args.listen_host}:{args.http_port} -> gRPC {upstreams}")
+    log(
+        f"REST and gRPC on {args.listen_host}:{args.http_port} ({describe_tls(listener)}) -> "
+        f"replicas {upstreams} ({describe_tls(upstream)})"
+    )
     os.execv(command[0], command)
 
 

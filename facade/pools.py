@@ -13,6 +13,8 @@ import grpc
 from llmcompletions.v2 import completions_pb2_grpc
 from llmcompletions.v2.completions_pb2 import ListModelsRequest, ListModelsResponse
 
+from facade.tls import UpstreamTls, grpc_channel
+
 # Envoy passes the endpoint's listing in endpoint_models.ENDPOINT_MODELS_HEADER, base64.
 # A gRPC server refuses request metadata past 8 KiB by default; the listing stays well inside.
 MAX_LISTING_HEADER_BYTES = 6 * 1024
@@ -46,24 +48,28 @@ def parse_pool(text: str, parse_address: Callable[[str], tuple[str, int]]) -> Po
 
 
 def list_models(
-    address: tuple[str, int], api_key: str | None, timeout: float
+    address: tuple[str, int], api_key: str | None, timeout: float, tls: UpstreamTls | None
 ) -> ListModelsResponse:
     host, port = address
     metadata = [("authorization", f"Bearer {api_key}")] if api_key else []
-    with grpc.insecure_channel(f"{host}:{port}") as channel:
+    with grpc_channel(f"{host}:{port}", tls) as channel:
         stub = completions_pb2_grpc.CompletionServiceStub(channel)
         return stub.ListModels(ListModelsRequest(), timeout=timeout, metadata=metadata)
 
 
 def pool_listing(
-    pool: Pool, api_key: str | None, deadline: float, log: Callable[[str], None]
+    pool: Pool,
+    api_key: str | None,
+    deadline: float,
+    log: Callable[[str], None],
+    tls: UpstreamTls | None,
 ) -> ListModelsResponse:
     """The first answer of any of the pool's replicas, waiting while they load."""
     last_report = time.monotonic()
     while True:
         for address in pool.addresses:
             try:
-                return list_models(address, api_key, timeout=5.0)
+                return list_models(address, api_key, timeout=5.0, tls=tls)
             except grpc.RpcError as error:
                 problem = f"{address[0]}:{address[1]} {error.code().name}"
                 if error.code() == grpc.StatusCode.UNAUTHENTICATED:
@@ -93,7 +99,11 @@ def checked(pool: Pool, listing: ListModelsResponse) -> Pool:
 
 
 def discover(
-    pools: Sequence[Pool], api_key: str | None, timeout: float, log: Callable[[str], None]
+    pools: Sequence[Pool],
+    api_key: str | None,
+    timeout: float,
+    log: Callable[[str], None],
+    tls: UpstreamTls | None = None,
 ) -> tuple[list[Pool], ListModelsResponse]:
     """Each pool with its served names, and the endpoint's listing of them all."""
     deadline = time.monotonic() + timeout
@@ -101,7 +111,7 @@ def discover(
     endpoint = ListModelsResponse(object="list")
     owners: dict[str, str] = {}
     for pool in pools:
-        listing = pool_listing(pool, api_key, deadline, log)
+        listing = pool_listing(pool, api_key, deadline, log, tls)
         pool = checked(pool, listing)
         for name in pool.models:
             if name in owners:

@@ -7,6 +7,7 @@ Usage: python -m facade.stack [service options...]   (see `python -m service ser
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import signal
@@ -22,6 +23,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from facade.launch import DEFAULT_ADMIN_PORT, DEFAULT_HTTP_PORT
+from facade.tls import UpstreamTls, grpc_channel, upstream_tls_from_env
 from service.settings import ServerSettings
 
 STOP_TIMEOUT_SECONDS = 40.0
@@ -48,8 +50,34 @@ class Stack:
         return f"127.0.0.1:{self.grpc_port}"
 
     @property
+    def environment(self) -> dict[str, str]:
+        return {**os.environ, **(self.env or {})}
+
+    @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
+        scheme = "https" if self.environment.get("TLS_CERT_FILE") else "http"
+        return f"{scheme}://127.0.0.1:{self.http_port}"
+
+    @property
+    def upstream_tls(self) -> UpstreamTls | None:
+        """How Envoy, and the stack's own checks, reach the service."""
+        try:
+            return upstream_tls_from_env(self.environment)
+        except argparse.ArgumentTypeError as error:
+            raise StackError(f"UPSTREAM_*_FILE: {error}") from error
+
+    def check_tls(self) -> None:
+        """A service on TLS needs the CA that signed its certificate, for Envoy and the
+        readiness checks to trust it."""
+        serves_tls = bool(self.environment.get("TLS_CERT_FILE")) or any(
+            arg.startswith("--tls-cert-file") for arg in self.service_args
+        )
+        if serves_tls and self.upstream_tls is None:
+            raise StackError(
+                "the service serves TLS: set UPSTREAM_CA_FILE to the CA certificate that "
+                "signed its certificate (and UPSTREAM_CERT_FILE, UPSTREAM_KEY_FILE if it "
+                "requires client certificates)"
+            )
 
     def service_command(self) -> list[str]:
         return [sys.executable, "-m", self.service_module, "serve", "--port", str(self.grpc_port)]
@@ -65,7 +93,8 @@ class Stack:
 
     def start(self, with_envoy: bool = True) -> None:
         """Start the service and, unless told not to, Envoy."""
-        env = {**os.environ, **(self.env or {})}
+        self.check_tls()
+        env = self.environment
         self.processes = [
             subprocess.Popen(
                 [*self.service_command(), *self.service_args],
@@ -99,7 +128,7 @@ class Stack:
                 raise StackError(f"{process.args[2]} exited with code {process.returncode}")
 
     def service_serving(self) -> bool:
-        with grpc.insecure_channel(self.grpc_target) as channel:
+        with grpc_channel(self.grpc_target, self.upstream_tls) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             try:
                 reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
@@ -162,9 +191,9 @@ def main() -> None:
     )
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, interrupt)
-    stack.start()
     exit_code = 0
     try:
+        stack.start()
         stack.wait_ready(timeout=900)
         print(
             f"ready: REST {stack.base_url}/v2/completions, gRPC {stack.grpc_target} (Ctrl-C stops)",

@@ -6,20 +6,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
-import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any, NoReturn
+from collections.abc import Sequence
+from typing import NoReturn
 
 import uvloop
 
 from service import __version__
-from service.model.default_model import DEFAULT_SERVED_MODEL_NAME
-from service.settings import EngineSettings, LoraModule, RequestLimits, ServerSettings
+from service.options import (
+    add_engine_options,
+    add_limit_options,
+    add_option,
+    add_server_options,
+    add_transport_options,
+    engine_settings,
+    one_of,
+    server_settings,
+)
 from service.transport.logs import configure_logging
 
 COMMANDS = ("serve", "prepare-model")
@@ -27,289 +32,6 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 # The options before the command: those that take a value, and those that take none.
 TOP_LEVEL_VALUE_OPTIONS = ("--log-level", "--log-format")
 TOP_LEVEL_SWITCHES = ("-h", "--help", "--version")
-
-
-def add_option(
-    parser: argparse.ArgumentParser,
-    flag: str,
-    env: str,
-    default: Any,
-    help_text: str,
-    convert: Callable[[str], Any] = str,
-    secret: bool = False,
-) -> None:
-    raw = os.environ.get(env)
-    # A text default is converted (and a bad one refused with a usage error) like a flag.
-    value = raw if raw not in (None, "") else default
-    shown = "unset" if secret else "%(default)s"  # a key from the environment is never printed
-    parser.add_argument(
-        flag, default=value, type=convert, help=f"{help_text} [env {env}; default: {shown}]"
-    )
-
-
-def one_of(*allowed: str, ignore_case: bool = False) -> Callable[[str], str]:
-    """A converter that refuses any text but `allowed` (with `ignore_case`, in any case)."""
-
-    def convert(text: str) -> str:
-        if (text.upper() if ignore_case else text) not in allowed:
-            suffix = " (any case)" if ignore_case else ""
-            raise argparse.ArgumentTypeError(f"must be one of: {', '.join(allowed)}{suffix}")
-        return text
-
-    return convert
-
-
-def at_least(minimum: int) -> Callable[[str], int]:
-    """A converter to an int of at least `minimum`, e.g. a limit that makes no sense below 1."""
-
-    def convert(text: str) -> int:
-        value = int(text)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}")
-        return value
-
-    convert.__name__ = "int"  # argparse says "invalid int value" for text that is no integer
-    return convert
-
-
-positive_int = at_least(1)
-non_negative_int = at_least(0)
-
-
-def add_switch(parser: argparse.ArgumentParser, flag: str, env: str, help_text: str) -> None:
-    enabled = os.environ.get(env, "").lower() in ("1", "true", "yes", "on")
-    parser.add_argument(
-        flag, action="store_true", default=enabled, help=f"{help_text} [env {env}=1; default: off]"
-    )
-
-
-def json_object(text: str) -> dict[str, Any]:
-    value = json.loads(text)
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"max_num_seqs\": 64}'")
-    return value
-
-
-def lora_modules(text: str) -> tuple[LoraModule, ...]:
-    """`NAME=PATH`, or several separated by commas (as the environment variable holds them)."""
-    modules = []
-    for item in text.split(","):
-        name, equals, path = item.strip().partition("=")
-        if not (equals and name.strip() and path.strip()):
-            raise argparse.ArgumentTypeError(
-                f"{item.strip()!r} is not NAME=PATH, e.g. sql-expert=/adapters/sql"
-            )
-        modules.append(LoraModule(name.strip(), Path(path.strip()).expanduser()))
-    return tuple(modules)
-
-
-lora_modules.__name__ = "NAME=PATH"  # argparse: "invalid NAME=PATH value"
-
-
-class Flatten(argparse.Action):
-    """Several values, each a tuple of items (nargs="+"), as one tuple."""
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: str | Sequence[Any] | None,
-        option_string: str | None = None,
-    ) -> None:
-        setattr(namespace, self.dest, tuple(item for value in values or () for item in value))
-
-
-def engine_defaults() -> dict[str, Any]:
-    """EngineSettings' defaults (it has no default model), the one source of the CLI's."""
-    return {field.name: field.default for field in dataclasses.fields(EngineSettings)}
-
-
-def add_engine_options(parser: argparse.ArgumentParser) -> None:
-    defaults = engine_defaults()
-    add_option(
-        parser,
-        "--model",
-        "MODEL",
-        None,
-        "Hugging Face model directory; unset serves the embedded SmolLM2-135M-Instruct",
-        Path,
-    )
-    add_option(
-        parser,
-        "--served-model-name",
-        "SERVED_MODEL_NAME",
-        None,
-        f"name callers pass as `model` (unset: {DEFAULT_SERVED_MODEL_NAME} for the "
-        "default model, else the model directory's name)",
-    )
-    add_option(
-        parser, "--dtype", "DTYPE", defaults["dtype"], "weights dtype; auto is float32 on a CPU"
-    )
-    add_option(
-        parser,
-        "--max-model-len",
-        "MAX_MODEL_LEN",
-        None,
-        "context length (prompt + completion tokens); unset: the model's",
-        int,
-    )
-    add_option(
-        parser,
-        "--kv-cache-gib",
-        "KV_CACHE_GIB",
-        None,
-        "memory for the KV cache in GiB; unset: 2 on a CPU, vLLM's default on a GPU",
-        float,
-    )
-    add_option(
-        parser,
-        "--structured-outputs-backend",
-        "STRUCTURED_OUTPUTS_BACKEND",
-        defaults["structured_outputs_backend"],
-        "backend for guided_* and response_format (xgrammar, guidance, outlines, "
-        "lm-format-enforcer); requests may name only this one",
-    )
-    add_option(
-        parser,
-        "--tensor-parallel-size",
-        "TENSOR_PARALLEL_SIZE",
-        defaults["tensor_parallel_size"],
-        "devices one model is sharded over (vLLM tensor parallelism)",
-        positive_int,
-    )
-    add_option(
-        parser,
-        "--pipeline-parallel-size",
-        "PIPELINE_PARALLEL_SIZE",
-        defaults["pipeline_parallel_size"],
-        "pipeline stages the layers are split into (across GPUs or nodes)",
-        positive_int,
-    )
-    add_option(
-        parser,
-        "--data-parallel-size",
-        "DATA_PARALLEL_SIZE",
-        defaults["data_parallel_size"],
-        "engine replicas inside this server (vLLM data parallelism)",
-        positive_int,
-    )
-    add_option(
-        parser,
-        "--distributed-executor-backend",
-        "DISTRIBUTED_EXECUTOR_BACKEND",
-        None,
-        "mp (one node) or ray (several nodes); unset: vLLM chooses",
-    )
-    add_lora_options(parser, defaults)
-    add_option(
-        parser,
-        "--engine-args",
-        "ENGINE_ARGS",
-        {},
-        "other vLLM engine arguments as a JSON object",
-        json_object,
-    )
-
-
-def add_lora_options(parser: argparse.ArgumentParser, defaults: dict[str, Any]) -> None:
-    env = os.environ.get("LORA_MODULES") or ""
-    parser.add_argument(
-        "--lora-modules",
-        nargs="+",
-        type=lora_modules,
-        action=Flatten,
-        # A text default is converted like a flag's value (a bad one is a usage error).
-        default=env or (),
-        metavar="NAME=PATH",
-        help="LoRA adapters served on the base model, each under its NAME (a request's "
-        "`model`); PATH is a PEFT adapter directory [env LORA_MODULES, comma-separated; "
-        "default: none]",
-    )
-    add_option(
-        parser,
-        "--max-loras",
-        "MAX_LORAS",
-        defaults["max_loras"],
-        "LoRA adapters that run in one batch",
-        positive_int,
-    )
-    add_option(
-        parser,
-        "--max-lora-rank",
-        "MAX_LORA_RANK",
-        defaults["max_lora_rank"],
-        "the largest adapter rank served (vLLM allows 1, 8, 16, 32, 64, 128, 256, 320, 512)",
-        positive_int,
-    )
-
-
-def add_limit_options(parser: argparse.ArgumentParser) -> None:
-    defaults = RequestLimits()
-    server = ServerSettings()
-    add_option(
-        parser,
-        "--max-in-flight",
-        "MAX_IN_FLIGHT",
-        server.max_in_flight,
-        "completion requests served at once",
-        positive_int,
-    )
-    add_option(
-        parser,
-        "--max-waiting",
-        "MAX_WAITING",
-        server.max_waiting,
-        "requests waiting for a turn; past it requests are refused (429)",
-        non_negative_int,
-    )
-    add_option(
-        parser,
-        "--max-prompts",
-        "MAX_PROMPTS",
-        defaults.max_prompts,
-        "prompts per request",
-        positive_int,
-    )
-    add_option(
-        parser,
-        "--max-choices",
-        "MAX_CHOICES",
-        defaults.max_choices,
-        "prompts x n (or best_of) per request",
-        positive_int,
-    )
-    add_option(
-        parser,
-        "--max-prompt-tokens",
-        "MAX_PROMPT_TOKENS",
-        defaults.max_prompt_tokens,
-        "prompt tokens per request, over all prompts",
-        positive_int,
-    )
-    add_option(
-        parser,
-        "--max-constraint-bytes",
-        "MAX_CONSTRAINT_BYTES",
-        defaults.max_constraint_bytes,
-        "size of a schema, regex, grammar, choices or the stop strings",
-        positive_int,
-    )
-    add_option(
-        parser,
-        "--max-logit-bias",
-        "MAX_LOGIT_BIAS",
-        defaults.max_logit_bias,
-        "logit_bias entries per request",
-        non_negative_int,
-    )
-    add_option(
-        parser,
-        "--max-message-bytes",
-        "MAX_MESSAGE_BYTES",
-        server.max_message_bytes,
-        "largest gRPC message received or sent (a whole reply is one message)",
-        positive_int,
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -338,43 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command")
     serve = commands.add_parser("serve", help="run the gRPC server (the default command)")
-    defaults = ServerSettings()
-    add_option(serve, "--host", "GRPC_HOST", defaults.host, "address the gRPC server listens on")
-    add_option(serve, "--port", "GRPC_PORT", defaults.port, "gRPC port", int)
-    add_option(
-        serve,
-        "--api-key",
-        "API_KEY",
-        None,
-        "require `authorization: Bearer <key>` on completion calls (health and reflection "
-        "stay open)",
-        secret=True,
-    )
-    add_option(serve, "--metrics-host", "METRICS_HOST", defaults.metrics_host, "Prometheus address")
-    add_option(
-        serve, "--metrics-port", "METRICS_PORT", defaults.metrics_port, "Prometheus port", int
-    )
-    add_switch(serve, "--log-prompts", "LOG_PROMPTS", "log prompts and outputs in request lines")
+    add_server_options(serve)
     add_limit_options(serve)
-    add_option(
-        serve,
-        "--drain-delay",
-        "DRAIN_DELAY_SECONDS",
-        defaults.drain_delay_seconds,
-        "on SIGTERM, seconds to keep accepting requests after health turns NOT_SERVING, "
-        "so that a load balancer's health checks notice first (e.g. 5 behind Envoy: "
-        "longer than its 2 s check interval plus 1 s timeout)",
-        float,
-    )
-    add_option(
-        serve,
-        "--shutdown-grace",
-        "SHUTDOWN_GRACE_SECONDS",
-        defaults.shutdown_grace_seconds,
-        "on SIGTERM, how long the requests in flight may still run once the listener has "
-        "closed: the drain ends as soon as they finish; any still running then are cancelled",
-        float,
-    )
+    add_transport_options(serve)
     add_engine_options(serve)
     commands.add_parser("prepare-model", help="convert the embedded default model into the cache")
     return parser
@@ -384,63 +72,27 @@ def run_serve(args: argparse.Namespace) -> int:
     from service.model.adapters import AdapterError, check_adapters
     from service.model.default_model import model_directory
     from service.transport.server import serve
+    from service.transport.tls import CertificateError
 
-    served_name = args.served_model_name or (
-        DEFAULT_SERVED_MODEL_NAME if args.model is None else args.model.resolve().name
-    )
-    engine_settings = EngineSettings(
-        model=args.model,
-        served_model_name=served_name,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        kv_cache_gib=args.kv_cache_gib,
-        structured_outputs_backend=args.structured_outputs_backend,
-        tensor_parallel_size=args.tensor_parallel_size,
-        pipeline_parallel_size=args.pipeline_parallel_size,
-        data_parallel_size=args.data_parallel_size,
-        distributed_executor_backend=args.distributed_executor_backend,
-        lora_modules=tuple(args.lora_modules),
-        max_loras=args.max_loras,
-        max_lora_rank=args.max_lora_rank,
-        extra_engine_args=args.engine_args,
-    )
-    if engine_settings.lora_modules:
-        try:
+    try:
+        engine = engine_settings(args)
+        server = server_settings(args)
+        if engine.lora_modules:
             check_adapters(
-                engine_settings.lora_modules,
-                engine_settings.max_lora_rank,
-                model_directory(engine_settings.model),
-                served_name,
+                engine.lora_modules,
+                engine.max_lora_rank,
+                model_directory(engine.model),
+                engine.served_model_name,
             )
-        except AdapterError as error:
-            print(f"llm-completions: error: {error}", file=sys.stderr)
-            return 1
-    server_settings = ServerSettings(
-        host=args.host,
-        port=args.port,
-        shutdown_grace_seconds=args.shutdown_grace,
-        drain_delay_seconds=args.drain_delay,
-        api_key=args.api_key,
-        metrics_host=args.metrics_host,
-        metrics_port=args.metrics_port,
-        log_prompts=args.log_prompts,
-        max_in_flight=args.max_in_flight,
-        max_waiting=args.max_waiting,
-        max_message_bytes=args.max_message_bytes,
-        limits=RequestLimits(
-            max_prompts=args.max_prompts,
-            max_choices=args.max_choices,
-            max_prompt_tokens=args.max_prompt_tokens,
-            max_constraint_bytes=args.max_constraint_bytes,
-            max_logit_bias=args.max_logit_bias,
-        ),
-    )
+    except (AdapterError, CertificateError) as error:
+        print(f"llm-completions: error: {error}", file=sys.stderr)
+        return 1
     # Not asyncio.run: its teardown is what exit_now skips. uvloop, as vLLM's own server: each
     # streamed token wakes the loop twice (the engine's output, then gRPC's write completing),
     # and uvloop's wake-ups cost less (BENCHMARKS.md, the frontend-heavy workload).
     loop = uvloop.new_event_loop()
     asyncio.set_event_loop(loop)
-    return loop.run_until_complete(serve(server_settings, engine_settings))
+    return loop.run_until_complete(serve(server, engine))
 
 
 def exit_now(code: int) -> NoReturn:

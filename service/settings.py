@@ -50,6 +50,32 @@ class RequestLimits:
 
 
 @dataclass(frozen=True)
+class KeepaliveSettings:
+    """HTTP/2 keepalive on the gRPC listener: the server's own pings, and the callers' pings
+    it accepts (README "Transport" says why each default is what it is)."""
+
+    # A connection the caller has sent nothing on for this long gets a ping from the server...
+    time_seconds: float = 30.0
+    # ...and is closed, its calls cancelled, when the ping is not answered within this.
+    timeout_seconds: float = 20.0
+    # Callers' pings closer together than this count as strikes...
+    min_ping_interval_seconds: float = 5.0
+    # ...and past this many strikes the server ends the connection (GOAWAY too_many_pings).
+    # 0: never; a caller's keepalive is never held against it.
+    max_ping_strikes: int = 0
+
+
+@dataclass(frozen=True)
+class TlsSettings:
+    """TLS on the gRPC listener; with a client CA, callers must present a certificate it
+    signed (mutual TLS). The files are read again when they change on disk."""
+
+    cert_file: Path
+    key_file: Path
+    client_ca_file: Path | None = None
+
+
+@dataclass(frozen=True)
 class ServerSettings:
     """Where and how the gRPC server listens."""
 
@@ -68,3 +94,5 @@ class ServerSettings:
     max_in_flight: int = 32
     max_waiting: int = 128
     limits: RequestLimits = field(default_factory=RequestLimits)
+    keepalive: KeepaliveSettings = field(default_factory=KeepaliveSettings)
+    tls: TlsSettings | None = None  # None: plaintext

@@ -25,6 +25,9 @@ MAX_WAITING = 16
 AUTH_HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 GRPC_AUTH = (("authorization", f"Bearer {API_KEY}"),)
 ENGINE_START_TIMEOUT = 600
+# The server's own keepalive, shortened from its defaults (30 s, 20 s) so that a vanished
+# caller is noticed within seconds (tests/test_keepalive.py).
+SERVER_KEEPALIVE_SECONDS = 5
 
 
 @pytest.fixture(scope="session")
@@ -56,6 +59,10 @@ def stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             str(MAX_IN_FLIGHT),
             "--max-waiting",
             str(MAX_WAITING),
+            "--keepalive-time",
+            str(SERVER_KEEPALIVE_SECONDS),
+            "--keepalive-timeout",
+            str(SERVER_KEEPALIVE_SECONDS),
         ],
         service_module="tests.fault_injection",  # the real engine, failing on request
         service_log=tmp_path_factory.mktemp("stack") / "service.log",

@@ -19,6 +19,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from service.api.validation import MAX_BEST_OF
 from service.model.adapters import ModelCatalog, build_catalog
 from service.model.default_model import model_directory
+from service.model.lifetime import mark_engine_parent
 from service.settings import EngineSettings
 
 logger = logging.getLogger(__name__)
@@ -137,6 +138,7 @@ def start_engine(settings: EngineSettings) -> ServedModel:
     )
     # The periodic throughput log line would drown the one-line-per-request log.
     logging.getLogger("vllm.v1.metrics.loggers").setLevel(logging.WARNING)
+    mark_engine_parent()  # the engine's processes die with this one
     engine = AsyncLLM.from_engine_args(args)
     # vLLM reads some of its settings from the environment for every generated token (1.9 us a
     # read, 0.3 cached). Nothing here changes them once the engine runs: cache them, as vLLM's

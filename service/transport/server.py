@@ -22,9 +22,11 @@ from service.transport.admission import Admission, AdmissionInterceptor
 from service.transport.auth import ApiKeyInterceptor
 from service.transport.error_mapping import ErrorMappingInterceptor
 from service.transport.interception import StreamInterceptor
+from service.transport.keepalive import server_options
 from service.transport.observability import serve_metrics, watch_engine_gauges
 from service.transport.request_context import RequestContextInterceptor
 from service.transport.servicer import CompletionServicer, Serving
+from service.transport.tls import server_credentials
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +120,7 @@ def build_server(
             # A second server on the same port fails to start instead of sharing it, e.g. a
             # replica restarted while the old process still drains.
             ("grpc.so_reuseport", 0),
+            *server_options(settings.keepalive),
         ],
     )
     completions_pb2_grpc.add_CompletionServiceServicer_to_server(
@@ -130,7 +133,10 @@ def build_server(
     )
     address = f"{settings.host}:{settings.port}"
     try:
-        bound = server.add_insecure_port(address)
+        if settings.tls is None:
+            bound = server.add_insecure_port(address)
+        else:  # health checks and reflection are served over the same TLS
+            bound = server.add_secure_port(address, server_credentials(settings.tls))
     except RuntimeError:  # what grpc raises when the port is taken
         bound = 0
     if bound == 0:
@@ -161,7 +167,10 @@ async def serve(server_settings: ServerSettings, engine_settings: EngineSettings
     await server.start()
     await set_health(health_servicer, NOT_SERVING)
     logger.info(
-        "gRPC listening on %s:%d; loading the engine", server_settings.host, server_settings.port
+        "gRPC listening on %s:%d (%s); loading the engine",
+        server_settings.host,
+        server_settings.port,
+        describe_transport(server_settings),
     )
 
     stop = asyncio.Event()
@@ -206,6 +215,17 @@ async def serve(server_settings: ServerSettings, engine_settings: EngineSettings
         model.engine.shutdown(timeout=server_settings.engine_stop_seconds)
     logger.info("stopped")
     return exit_code
+
+
+def describe_transport(settings: ServerSettings) -> str:
+    keepalive = settings.keepalive
+    security = "plaintext"
+    if settings.tls is not None:
+        security = "mutual TLS" if settings.tls.client_ca_file else "TLS"
+    return (
+        f"{security}; keepalive pings after {keepalive.time_seconds:g}s idle, "
+        f"{keepalive.timeout_seconds:g}s to answer"
+    )
 
 
 async def adapters_loaded(model: ServedModel) -> bool:

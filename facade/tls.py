@@ -1,0 +1,199 @@
+"""TLS on Envoy's two sides: its listener (REST and native gRPC callers) and its connections to
+the replicas (health checks included), plus gRPC channels that reach a replica the way Envoy
+does (the stack's readiness checks, pool discovery).
+
+Envoy reads each certificate through a secret in a file of its own (file-based SDS), with the
+certificate's directory watched: files renamed into that directory (as Kubernetes updates a
+mounted Secret, or `mv new.crt server.crt`) are loaded for new connections without a restart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import yaml
+
+TLS_SOCKET = "envoy.transport_sockets.tls"
+TLS_TYPES = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3."
+
+
+@dataclass(frozen=True)
+class ListenerTls:
+    """Envoy's listener: its certificate, and the CA that signs callers' certificates when
+    they are required (mutual TLS)."""
+
+    cert_file: Path
+    key_file: Path
+    client_ca_file: Path | None = None
+
+    @property
+    def mutual(self) -> bool:
+        return self.client_ca_file is not None
+
+
+@dataclass(frozen=True)
+class UpstreamTls:
+    """Envoy's (and the stack's) connections to the replicas: the CA that signed their
+    certificates, and the client certificate to present when replicas require one."""
+
+    ca_file: Path
+    cert_file: Path | None = None
+    key_file: Path | None = None
+
+    @property
+    def mutual(self) -> bool:
+        return self.cert_file is not None
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        client = (self.key_file, self.cert_file) if self.cert_file and self.key_file else ()
+        return grpc.ssl_channel_credentials(
+            self.ca_file.read_bytes(), *(path.read_bytes() for path in client)
+        )
+
+
+def grpc_channel(target: str, tls: UpstreamTls | None) -> grpc.Channel:
+    """A channel to a replica: TLS when the replicas serve it, else plaintext."""
+    if tls is None:
+        return grpc.insecure_channel(target)
+    return grpc.secure_channel(target, tls.channel_credentials())
+
+
+def absolute(path: Path) -> Path:
+    """Envoy runs from another directory, and watches the certificate's directory."""
+    return path.expanduser().resolve()
+
+
+def optional(path: Path | None) -> Path | None:
+    return None if path is None else absolute(path)
+
+
+def listener_tls(
+    cert_file: Path | None, key_file: Path | None, client_ca_file: Path | None
+) -> ListenerTls | None:
+    """From the three options (None: plaintext); a usage error for a partial set."""
+    if cert_file is None and key_file is None:
+        if client_ca_file is not None:
+            raise argparse.ArgumentTypeError(
+                "--tls-client-ca-file needs --tls-cert-file and --tls-key-file"
+            )
+        return None
+    if cert_file is None or key_file is None:
+        raise argparse.ArgumentTypeError("--tls-cert-file and --tls-key-file go together")
+    check_readable(cert_file, key_file, client_ca_file)
+    return ListenerTls(absolute(cert_file), absolute(key_file), optional(client_ca_file))
+
+
+def upstream_tls(
+    ca_file: Path | None, cert_file: Path | None, key_file: Path | None
+) -> UpstreamTls | None:
+    """From the three options (None: plaintext to the replicas)."""
+    if ca_file is None:
+        if cert_file is not None or key_file is not None:
+            raise argparse.ArgumentTypeError(
+                "--upstream-cert-file and --upstream-key-file need --upstream-ca-file"
+            )
+        return None
+    if (cert_file is None) != (key_file is None):
+        raise argparse.ArgumentTypeError("--upstream-cert-file and --upstream-key-file go together")
+    check_readable(ca_file, cert_file, key_file)
+    return UpstreamTls(absolute(ca_file), optional(cert_file), optional(key_file))
+
+
+def check_readable(*paths: Path | None) -> None:
+    for path in paths:
+        if path is not None and not os.access(path, os.R_OK):
+            raise argparse.ArgumentTypeError(f"cannot read {path}")
+
+
+def upstream_tls_from_env(env: Mapping[str, str]) -> UpstreamTls | None:
+    """As facade.launch reads it from its environment (UPSTREAM_CA_FILE, ...)."""
+
+    def path(name: str) -> Path | None:
+        value = env.get(name)
+        return Path(value) if value else None
+
+    return upstream_tls(
+        path("UPSTREAM_CA_FILE"), path("UPSTREAM_CERT_FILE"), path("UPSTREAM_KEY_FILE")
+    )
+
+
+def write_secret(directory: Path, name: str, secret: dict[str, Any]) -> dict[str, Any]:
+    """A secret in a file of its own; the SDS config that points Envoy at it."""
+    path = directory / f"{name}.yaml"
+    resource = {"@type": f"{TLS_TYPES}Secret", "name": name, **secret}
+    path.write_text(yaml.safe_dump({"resources": [resource]}, sort_keys=False))
+    return {
+        "name": name,
+        "sds_config": {"path_config_source": {"path": str(path)}, "resource_api_version": "V3"},
+    }
+
+
+def certificate_secret(cert_file: Path, key_file: Path) -> dict[str, Any]:
+    return {
+        "tls_certificate": {
+            "certificate_chain": {"filename": str(cert_file)},
+            "private_key": {"filename": str(key_file)},
+            "watched_directory": {"path": str(cert_file.parent)},
+        }
+    }
+
+
+def ca_secret(ca_file: Path) -> dict[str, Any]:
+    return {
+        "validation_context": {
+            "trusted_ca": {"filename": str(ca_file)},
+            "watched_directory": {"path": str(ca_file.parent)},
+        }
+    }
+
+
+def listener_transport_socket(tls: ListenerTls, directory: Path) -> dict[str, Any]:
+    """TLS for REST (HTTP/1.1 or HTTP/2, by ALPN) and native gRPC callers."""
+    context: dict[str, Any] = {
+        "alpn_protocols": ["h2", "http/1.1"],
+        "tls_certificate_sds_secret_configs": [
+            write_secret(
+                directory, "listener_certificate", certificate_secret(tls.cert_file, tls.key_file)
+            )
+        ],
+    }
+    if tls.client_ca_file is not None:
+        context["validation_context_sds_secret_config"] = write_secret(
+            directory, "listener_client_ca", ca_secret(tls.client_ca_file)
+        )
+    return {
+        "name": TLS_SOCKET,
+        "typed_config": {
+            "@type": f"{TLS_TYPES}DownstreamTlsContext",
+            "require_client_certificate": tls.client_ca_file is not None,
+            "common_tls_context": context,
+        },
+    }
+
+
+def upstream_transport_socket(tls: UpstreamTls, directory: Path) -> dict[str, Any]:
+    """TLS to the replicas (requests and health checks), HTTP/2 by ALPN."""
+    context: dict[str, Any] = {
+        "alpn_protocols": ["h2"],
+        "validation_context_sds_secret_config": write_secret(
+            directory, "upstream_ca", ca_secret(tls.ca_file)
+        ),
+    }
+    if tls.cert_file is not None and tls.key_file is not None:
+        context["tls_certificate_sds_secret_configs"] = [
+            write_secret(
+                directory,
+                "upstream_client_certificate",
+                certificate_secret(tls.cert_file, tls.key_file),
+            )
+        ]
+    return {
+        "name": TLS_SOCKET,
+        "typed_config": {"@type": f"{TLS_TYPES}UpstreamTlsContext", "common_tls_context": context},
+    }
