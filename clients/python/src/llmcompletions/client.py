@@ -10,11 +10,18 @@
 Fields are the request's JSON fields as keyword arguments (`prompt` may be a string, a list
 of strings, a list of token ids or a list of token-id lists); a ready-made
 CreateCompletionRequest may be passed instead.
+
+Over TLS, pass `tls=Tls(ca_file=...)` (and `cert_file`, `key_file` for mutual TLS):
+
+    with CompletionClient("llm.internal:50051", tls=Tls("ca.crt", "me.crt", "me.key")) as c:
+        ...
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -29,7 +36,38 @@ DEFAULT_TIMEOUT_SECONDS = 300.0
 # gRPC clients accept 4 MiB messages by default; a whole reply may be as large as the server
 # sends (its --max-message-bytes, 16 MiB by default).
 MAX_REPLY_BYTES = 16 * 1024 * 1024
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_REPLY_BYTES)]
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_REPLY_BYTES),
+    # A ping after 30 s of silence, answered within 20 s, or the call fails UNAVAILABLE: a
+    # server or route that vanished without closing does not hang a call forever. The server
+    # accepts pings as often as every 5 s, with or without calls.
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.http2.ping_timeout_ms", 20_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+
+@dataclass(frozen=True)
+class Tls:
+    """TLS to the server: the CA certificates to trust (None: the system's), and the client
+    certificate and key to present when the server requires one (mutual TLS). PEM files."""
+
+    ca_file: str | Path | None = None
+    cert_file: str | Path | None = None
+    key_file: str | Path | None = None
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cert_file and key_file go together")
+
+        def read(path: str | Path | None) -> bytes | None:
+            return None if path is None else Path(path).read_bytes()
+
+        return grpc.ssl_channel_credentials(
+            read(self.ca_file), read(self.key_file), read(self.cert_file)
+        )
 
 
 def build_request(
@@ -60,7 +98,10 @@ class CompletionClient:
         api_key: str | None = None,
         timeout: float | None = DEFAULT_TIMEOUT_SECONDS,
         channel: grpc.Channel | None = None,
+        tls: Tls | None = None,
     ) -> None:
+        if channel is None and tls is not None:
+            channel = grpc.secure_channel(target, tls.credentials(), options=CHANNEL_OPTIONS)
         self._channel = channel or grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._stub = completions_pb2_grpc.CompletionServiceStub(self._channel)
         self._api_key = api_key
@@ -122,7 +163,10 @@ class AsyncCompletionClient:
         api_key: str | None = None,
         timeout: float | None = DEFAULT_TIMEOUT_SECONDS,
         channel: grpc.aio.Channel | None = None,
+        tls: Tls | None = None,
     ) -> None:
+        if channel is None and tls is not None:
+            channel = grpc.aio.secure_channel(target, tls.credentials(), options=CHANNEL_OPTIONS)
         self._channel = channel or grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._stub = completions_pb2_grpc.CompletionServiceStub(self._channel)
         self._api_key = api_key

@@ -1,0 +1,96 @@
+"""The engine's processes never outlive the server: killed outright (SIGKILL, as the OOM
+killer does) the server takes its engine core and workers with it and frees its port; stopped
+while the engine is still loading, it stops the load and exits at once."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import ENGINE_START_TIMEOUT, SMALL_ENGINE
+from tests.processes import TestStack, free_port
+
+ENGINE_PROCESS_PREFIX = "VLLM::"
+GONE_WITHIN_SECONDS = 5.0
+SIGTERM_EXIT_SECONDS = 5.0
+
+
+def engine_processes(server: psutil.Process) -> list[psutil.Process]:
+    return [child for child in server.children(recursive=True) if is_engine(child)]
+
+
+def is_engine(process: psutil.Process) -> bool:
+    try:
+        return process.name().startswith(ENGINE_PROCESS_PREFIX) or any(
+            part.startswith(ENGINE_PROCESS_PREFIX) for part in process.cmdline()[:1]
+        )
+    except psutil.NoSuchProcess:
+        return False
+
+
+def alive(processes: list[psutil.Process]) -> list[psutil.Process]:
+    return [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def wait_gone(processes: list[psutil.Process], timeout: float) -> None:
+    """Fails if any of them still runs after `timeout` (and then kills it, as an operator
+    would have to)."""
+    deadline = time.monotonic() + timeout
+    while alive(processes) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = alive(processes)
+    for process in left:
+        process.kill()
+    assert not left, f"still running {timeout:.0f}s later: {left}"
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> Iterator[TestStack]:
+    running = TestStack(
+        grpc_port=free_port(),
+        service_args=[*SMALL_ENGINE, "--metrics-port", str(free_port())],
+        service_log=tmp_path / "service.log",
+    )
+    running.start(with_envoy=False)
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def test_a_killed_server_leaves_no_engine_process_and_frees_its_port(service: TestStack) -> None:
+    service.wait_ready_service(ENGINE_START_TIMEOUT)
+    server = psutil.Process(service.processes[0].pid)
+    engines = engine_processes(server)
+    assert {p.name() for p in engines} >= {"VLLM::EngineCore", "VLLM::Worker"}, engines
+    server.send_signal(signal.SIGKILL)
+    service.processes[0].wait(timeout=10)
+    wait_gone(engines, GONE_WITHIN_SECONDS)
+    # The port is free at once: a restarted replica can listen on it.
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", service.grpc_port))
+        sock.listen()
+
+
+def test_sigterm_while_the_engine_loads_stops_the_load_and_exits(service: TestStack) -> None:
+    server = psutil.Process(service.processes[0].pid)
+    deadline = time.monotonic() + ENGINE_START_TIMEOUT
+    while not any(p.name() == "VLLM::Worker" for p in engine_processes(server)):
+        assert time.monotonic() < deadline, "the engine never started loading"
+        assert service.processes[0].poll() is None, "the service exited while loading"
+        time.sleep(0.2)
+    assert not service.service_serving(), "the engine should still be loading"
+    engines = engine_processes(server)
+    sent = time.monotonic()
+    server.send_signal(signal.SIGTERM)
+    service.processes[0].wait(timeout=SIGTERM_EXIT_SECONDS)
+    exited = time.monotonic() - sent
+    assert exited < SIGTERM_EXIT_SECONDS
+    wait_gone(engines, GONE_WITHIN_SECONDS)
