@@ -24,6 +24,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from llmcompletions.client import CompletionClient, Tls
 from llmcompletions.v2 import completions_pb2_grpc
 
+from facade import launch
+from facade.pools import Pool
+from facade.tls import ListenerTls, UpstreamTls
 from tests.certificates import CertificateAuthority, KeyPair
 from tests.conftest import ENGINE_START_TIMEOUT, MODEL, SMALL_ENGINE
 from tests.helpers import CAPITAL_PROMPT, body, grpc_request
@@ -269,3 +272,19 @@ def test_rotated_certificates_are_used_without_a_restart(tls_stack: TestStack, p
 
     assert eventually(rest_with_new_ca).json()["choices"][0]["text"]
     assert tls_stack.processes[0].pid == before and tls_stack.processes[0].poll() is None
+
+
+def test_envoy_accepts_tls_with_several_pools(pki: Pki, tmp_path: Path) -> None:
+    config = launch.render_config(free_port(), free_port(), [("127.0.0.1", 1)])
+    pools = [Pool(name, (("127.0.0.1", port),), (name,)) for name, port in (("a", 1), ("b", 2))]
+    launch.route_by_model(config, pools, "")
+    listener = ListenerTls(pki.server.cert_file, pki.server.key_file, pki.clients.cert_file)
+    upstream = UpstreamTls(
+        pki.trusted_servers, pki.envoy_client.cert_file, pki.envoy_client.key_file
+    )
+    launch.apply_tls(config, listener, upstream, tmp_path)
+    command = launch.envoy_command(launch.write_config(config, tmp_path))
+    checked = subprocess.run(
+        [*command, "--mode", "validate"], capture_output=True, text=True, timeout=60
+    )
+    assert checked.returncode == 0, checked.stderr[-2000:]

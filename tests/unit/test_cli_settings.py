@@ -16,7 +16,15 @@ import pytest
 
 from service import __version__, cli
 from service.model.default_model import DEFAULT_SERVED_MODEL_NAME
-from service.settings import EngineSettings, LoraModule, RequestLimits, ServerSettings
+from service.settings import (
+    EngineSettings,
+    KeepaliveSettings,
+    LoraModule,
+    RequestLimits,
+    ServerSettings,
+    TlsSettings,
+)
+from tests.certificates import CertificateAuthority
 
 MIB = 1024 * 1024
 
@@ -654,3 +662,85 @@ def test_run_serve_refuses_a_bad_adapter_with_one_line_and_no_server(
     assert served == []
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("llm-completions: error: adapter `bad`")
+
+
+# ---- transport: keepalive and TLS
+
+
+def test_keepalive_options_from_flags_and_the_environment(
+    served: list[tuple[ServerSettings, EngineSettings]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KEEPALIVE_TIME_SECONDS", "12")
+    monkeypatch.setenv("KEEPALIVE_MAX_PING_STRIKES", "3")
+    args = parse(
+        "serve", "--keepalive-timeout", "4", "--keepalive-min-ping-interval", "1.5"
+    )  # fmt: skip
+    assert cli.run_serve(args) == 0
+    assert served[0][0].keepalive == KeepaliveSettings(
+        time_seconds=12.0, timeout_seconds=4.0, min_ping_interval_seconds=1.5, max_ping_strikes=3
+    )
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--keepalive-time", "0"],
+        ["--keepalive-timeout", "-1"],
+        ["--keepalive-min-ping-interval", "soon"],
+        ["--keepalive-max-ping-strikes", "-1"],
+    ],
+)
+def test_bad_keepalive_values_are_usage_errors(
+    capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    assert argv[0] in usage_error(capsys, "serve", *argv)
+
+
+def test_tls_options_reach_the_server_settings(
+    served: list[tuple[ServerSettings, EngineSettings]],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    authority = CertificateAuthority(tmp_path)
+    server = authority.server()
+    monkeypatch.setenv("TLS_CERT_FILE", str(server.cert_file))
+    args = parse(
+        "serve", "--tls-key-file", str(server.key_file),
+        "--tls-client-ca-file", str(authority.cert_file),
+    )  # fmt: skip
+    assert cli.run_serve(args) == 0
+    assert served[0][0].tls == TlsSettings(server.cert_file, server.key_file, authority.cert_file)
+    assert ServerSettings().tls is None  # plaintext by default
+
+
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        (["cert"], "--tls-cert-file and --tls-key-file go together"),
+        (["key"], "--tls-cert-file and --tls-key-file go together"),
+        (["ca"], "--tls-client-ca-file needs --tls-cert-file and --tls-key-file"),
+        (["cert", "other-key"], "the key must be the certificate's"),
+        (["cert", "key", "missing-ca"], "cannot use --tls-client-ca-file"),
+    ],
+)
+def test_unusable_tls_options_are_refused_in_one_line_with_no_server(
+    served: list[tuple[ServerSettings, EngineSettings]],
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    given: list[str],
+    said: str,
+) -> None:
+    authority = CertificateAuthority(tmp_path)
+    server, other = authority.server("server"), authority.server("other")
+    flags = {
+        "cert": ["--tls-cert-file", str(server.cert_file)],
+        "key": ["--tls-key-file", str(server.key_file)],
+        "other-key": ["--tls-key-file", str(other.key_file)],
+        "ca": ["--tls-client-ca-file", str(authority.cert_file)],
+        "missing-ca": ["--tls-client-ca-file", str(tmp_path / "none.crt")],
+    }
+    assert cli.run_serve(parse("serve", *(flag for name in given for flag in flags[name]))) == 1
+    assert served == []
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("llm-completions: error: ")
+    assert said in err

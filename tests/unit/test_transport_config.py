@@ -1,0 +1,141 @@
+"""The transport's configuration without a running server: the keepalive options grpc gets,
+certificate files re-read when they change, and Envoy's TLS on its listener and on every
+cluster of replicas."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from facade import launch
+from facade.pools import Pool
+from facade.tls import ListenerTls, UpstreamTls, listener_tls, upstream_tls
+from service.settings import KeepaliveSettings, TlsSettings
+from service.transport.keepalive import server_options
+from service.transport.tls import ReloadingCertificates
+from tests.certificates import CertificateAuthority, KeyPair
+
+
+def test_the_server_accepts_pings_every_5s_and_never_goaways_them() -> None:
+    options = dict(server_options(KeepaliveSettings()))
+    assert options["grpc.http2.min_recv_ping_interval_without_data_ms"] == 5000
+    assert options["grpc.http2.max_ping_strikes"] == 0  # grpc: 0 bears any number
+    assert options["grpc.keepalive_permit_without_calls"] == 1
+
+
+def test_the_servers_pings_are_answered_within_the_keepalive_timeout() -> None:
+    options = dict(server_options(KeepaliveSettings(time_seconds=7, timeout_seconds=3)))
+    assert options["grpc.keepalive_time_ms"] == 7000
+    # grpc 1.85 closes the connection when a ping is unanswered for ping_timeout_ms.
+    assert options["grpc.keepalive_timeout_ms"] == options["grpc.http2.ping_timeout_ms"] == 3000
+    assert options["grpc.http2.max_pings_without_data"] == 0
+
+
+def replace_pair(pair: KeyPair, new: KeyPair) -> None:
+    os.replace(new.key_file, pair.key_file)
+    os.replace(new.cert_file, pair.cert_file)
+
+
+def test_certificates_are_loaded_again_only_when_their_files_change(tmp_path: Path) -> None:
+    authority = CertificateAuthority(tmp_path)
+    pair = authority.server("served")
+    certificates = ReloadingCertificates(TlsSettings(pair.cert_file, pair.key_file))
+    assert certificates.fetch() is None  # nothing changed
+    replace_pair(pair, authority.server("next"))
+    assert certificates.fetch() is not None
+    assert certificates.fetch() is None
+
+
+def test_a_mismatched_pair_is_not_loaded_until_it_matches(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    authority = CertificateAuthority(tmp_path)
+    pair = authority.server("served")
+    certificates = ReloadingCertificates(TlsSettings(pair.cert_file, pair.key_file))
+    halfway = authority.server("next")
+    os.replace(halfway.cert_file, pair.cert_file)  # the certificate first, the key not yet
+    with caplog.at_level(logging.WARNING):
+        assert certificates.fetch() is None
+    assert "cannot be used yet" in caplog.text
+    os.replace(halfway.key_file, pair.key_file)
+    assert certificates.fetch() is not None
+
+
+def pki(tmp_path: Path) -> tuple[CertificateAuthority, KeyPair]:
+    authority = CertificateAuthority(tmp_path)
+    return authority, authority.server()
+
+
+def with_tls(tmp_path: Path, pools: bool) -> tuple[dict[str, Any], ListenerTls, UpstreamTls]:
+    authority, pair = pki(tmp_path)
+    config = launch.render_config(8080, 9901, [("127.0.0.1", 50051)])
+    if pools:
+        launch.route_by_model(
+            config,
+            [Pool("a", (("127.0.0.1", 1),), ("a",)), Pool("b", (("127.0.0.1", 2),), ("b",))],
+            "",
+        )
+    listener = ListenerTls(pair.cert_file, pair.key_file, authority.cert_file)
+    upstream = UpstreamTls(authority.cert_file, pair.cert_file, pair.key_file)
+    launch.apply_tls(config, listener, upstream, tmp_path)
+    return config, listener, upstream
+
+
+@pytest.mark.parametrize("pools", [False, True])
+def test_envoy_speaks_tls_on_its_listener_and_to_every_replica(tmp_path: Path, pools: bool) -> None:
+    config, _, _ = with_tls(tmp_path, pools)
+    chain = config["static_resources"]["listeners"][0]["filter_chains"][0]
+    downstream = chain["transport_socket"]["typed_config"]
+    assert downstream["require_client_certificate"] is True
+    assert downstream["common_tls_context"]["alpn_protocols"] == ["h2", "http/1.1"]
+    replicas = [c for c in config["static_resources"]["clusters"] if "load_assignment" in c]
+    assert len(replicas) == (2 if pools else 1)
+    for cluster in replicas:
+        context = cluster["transport_socket"]["typed_config"]["common_tls_context"]
+        assert context["alpn_protocols"] == ["h2"]
+        assert "tls_certificate_sds_secret_configs" in context  # Envoy's client certificate
+    aggregate = [c for c in config["static_resources"]["clusters"] if c not in replicas]
+    assert all("transport_socket" not in cluster for cluster in aggregate)
+
+
+def test_envoy_reads_each_certificate_from_a_watched_secret_file(tmp_path: Path) -> None:
+    config, listener, _ = with_tls(tmp_path, pools=False)
+    chain = config["static_resources"]["listeners"][0]["filter_chains"][0]
+    context = chain["transport_socket"]["typed_config"]["common_tls_context"]
+    (sds,) = context["tls_certificate_sds_secret_configs"]
+    secret_file = Path(sds["sds_config"]["path_config_source"]["path"])
+    (secret,) = yaml.safe_load(secret_file.read_text())["resources"]
+    assert secret["name"] == sds["name"]
+    certificate = secret["tls_certificate"]
+    assert certificate["certificate_chain"]["filename"] == str(listener.cert_file)
+    assert certificate["watched_directory"]["path"] == str(listener.cert_file.parent)
+
+
+def test_envoy_keeps_both_sides_alive_with_http2_pings() -> None:
+    config = launch.render_config(8080, 9901, [("127.0.0.1", 50051)])
+    manager = launch.connection_manager(config)
+    assert manager["http2_protocol_options"]["connection_keepalive"]["timeout"]
+    (cluster,) = config["static_resources"]["clusters"]
+    options = cluster["typed_extension_protocol_options"][
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+    ]["explicit_http_config"]["http2_protocol_options"]
+    assert options["connection_keepalive"]["interval"]
+
+
+def test_partial_tls_options_of_the_facade_are_refused(tmp_path: Path) -> None:
+    authority, pair = pki(tmp_path)
+    with pytest.raises(argparse.ArgumentTypeError, match="go together"):
+        listener_tls(pair.cert_file, None, None)
+    with pytest.raises(argparse.ArgumentTypeError, match="needs --tls-cert-file"):
+        listener_tls(None, None, authority.cert_file)
+    with pytest.raises(argparse.ArgumentTypeError, match="need --upstream-ca-file"):
+        upstream_tls(None, pair.cert_file, pair.key_file)
+    with pytest.raises(argparse.ArgumentTypeError, match="cannot read"):
+        upstream_tls(tmp_path / "none.crt", None, None)
+    assert listener_tls(None, None, None) is None and upstream_tls(None, None, None) is None
