@@ -22,14 +22,13 @@ from llmcompletions.v2 import completions_pb2
 
 from facade.pools import Pool, PoolError, discover, listing_header, parse_pool
 from facade.tls import (
-    ListenerTls,
     UpstreamTls,
     listener_tls,
     listener_transport_socket,
     upstream_tls,
     upstream_transport_socket,
 )
-from service.settings import ServerSettings
+from service.settings import ServerSettings, TlsSettings
 from service.transport.endpoint_models import ENDPOINT_MODELS_HEADER
 
 FACADE_DIR = Path(__file__).resolve().parent
@@ -242,7 +241,7 @@ def route_by_model(config: dict[str, Any], pools: Sequence[Pool], listing: str) 
 
 def apply_tls(
     config: dict[str, Any],
-    listener: ListenerTls | None,
+    listener: TlsSettings | None,
     upstream: UpstreamTls | None,
     directory: Path,
 ) -> None:
@@ -326,7 +325,7 @@ def add_tls_options(parser: argparse.ArgumentParser) -> None:
     path_option(parser, "--upstream-key-file", "UPSTREAM_KEY_FILE", "its PEM private key")
 
 
-def describe_tls(tls: ListenerTls | UpstreamTls | None) -> str:
+def describe_tls(tls: TlsSettings | UpstreamTls | None) -> str:
     if tls is None:
         return "plaintext"
     return "mutual TLS" if tls.mutual else "TLS"

@@ -2,7 +2,8 @@
 the replicas (health checks included), plus gRPC channels that reach a replica the way Envoy
 does (the stack's readiness checks, pool discovery).
 
-Envoy reads each certificate through a secret in a file of its own (file-based SDS), with the
+The listener takes the service's own options, by the same rules (TlsSettings). Envoy reads
+each certificate through a secret in a file of its own (file-based SDS), with the
 certificate's directory watched: files renamed into that directory (as Kubernetes updates a
 mounted Secret, or `mv new.crt server.crt`) are loaded for new connections without a restart.
 """
@@ -19,22 +20,11 @@ from typing import Any
 import grpc
 import yaml
 
+from service.settings import TlsSettings
+from service.transport.tls import CertificateError, tls_settings
+
 TLS_SOCKET = "envoy.transport_sockets.tls"
 TLS_TYPES = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3."
-
-
-@dataclass(frozen=True)
-class ListenerTls:
-    """Envoy's listener: its certificate, and the CA that signs callers' certificates when
-    they are required (mutual TLS)."""
-
-    cert_file: Path
-    key_file: Path
-    client_ca_file: Path | None = None
-
-    @property
-    def mutual(self) -> bool:
-        return self.client_ca_file is not None
 
 
 @dataclass(frozen=True)
@@ -75,18 +65,13 @@ def optional(path: Path | None) -> Path | None:
 
 def listener_tls(
     cert_file: Path | None, key_file: Path | None, client_ca_file: Path | None
-) -> ListenerTls | None:
-    """From the three options (None: plaintext); a usage error for a partial set."""
-    if cert_file is None and key_file is None:
-        if client_ca_file is not None:
-            raise argparse.ArgumentTypeError(
-                "--tls-client-ca-file needs --tls-cert-file and --tls-key-file"
-            )
-        return None
-    if cert_file is None or key_file is None:
-        raise argparse.ArgumentTypeError("--tls-cert-file and --tls-key-file go together")
-    check_readable(cert_file, key_file, client_ca_file)
-    return ListenerTls(absolute(cert_file), absolute(key_file), optional(client_ca_file))
+) -> TlsSettings | None:
+    """Envoy's listener from the three options, as the service reads its own (None:
+    plaintext); a usage error for a partial or unusable set."""
+    try:
+        return tls_settings(cert_file, key_file, client_ca_file)
+    except CertificateError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
 
 
 def upstream_tls(
@@ -153,7 +138,7 @@ def ca_secret(ca_file: Path) -> dict[str, Any]:
     }
 
 
-def listener_transport_socket(tls: ListenerTls, directory: Path) -> dict[str, Any]:
+def listener_transport_socket(tls: TlsSettings, directory: Path) -> dict[str, Any]:
     """TLS for REST (HTTP/1.1 or HTTP/2, by ALPN) and native gRPC callers."""
     context: dict[str, Any] = {
         "alpn_protocols": ["h2", "http/1.1"],

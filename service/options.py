@@ -19,9 +19,8 @@ from service.settings import (
     LoraModule,
     RequestLimits,
     ServerSettings,
-    TlsSettings,
 )
-from service.transport.tls import CertificateError, check_files
+from service.transport.tls import tls_settings
 
 
 def add_option(
@@ -433,19 +432,6 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
     )
 
 
-def tls_settings(args: argparse.Namespace) -> TlsSettings | None:
-    """TLS from the three options, its files checked; None for plaintext."""
-    if args.tls_cert_file is None and args.tls_key_file is None:
-        if args.tls_client_ca_file is not None:
-            raise CertificateError("--tls-client-ca-file needs --tls-cert-file and --tls-key-file")
-        return None
-    if args.tls_cert_file is None or args.tls_key_file is None:
-        raise CertificateError("--tls-cert-file and --tls-key-file go together: give both")
-    settings = TlsSettings(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file)
-    check_files(settings)
-    return settings
-
-
 def server_settings(args: argparse.Namespace) -> ServerSettings:
     return ServerSettings(
         host=args.host,
@@ -472,5 +458,5 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
             min_ping_interval_seconds=args.keepalive_min_ping_interval,
             max_ping_strikes=args.keepalive_max_ping_strikes,
         ),
-        tls=tls_settings(args),
+        tls=tls_settings(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file),
     )

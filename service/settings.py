@@ -74,6 +74,10 @@ class TlsSettings:
     key_file: Path
     client_ca_file: Path | None = None
 
+    @property
+    def mutual(self) -> bool:
+        return self.client_ca_file is not None
+
 
 @dataclass(frozen=True)
 class ServerSettings:

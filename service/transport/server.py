@@ -221,7 +221,7 @@ def describe_transport(settings: ServerSettings) -> str:
     keepalive = settings.keepalive
     security = "plaintext"
     if settings.tls is not None:
-        security = "mutual TLS" if settings.tls.client_ca_file else "TLS"
+        security = "mutual TLS" if settings.tls.mutual else "TLS"
     return (
         f"{security}; keepalive pings after {keepalive.time_seconds:g}s idle, "
         f"{keepalive.timeout_seconds:g}s to answer"

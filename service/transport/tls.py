@@ -49,6 +49,26 @@ def check_files(settings: TlsSettings) -> None:
             ) from error
 
 
+def tls_settings(
+    cert_file: Path | None, key_file: Path | None, client_ca_file: Path | None
+) -> TlsSettings | None:
+    """TLS from the three options, with absolute paths and its files checked; None for
+    plaintext. The same options, and rules, serve the gRPC listener and Envoy's."""
+    if cert_file is None and key_file is None:
+        if client_ca_file is not None:
+            raise CertificateError("--tls-client-ca-file needs --tls-cert-file and --tls-key-file")
+        return None
+    if cert_file is None or key_file is None:
+        raise CertificateError("--tls-cert-file and --tls-key-file go together: give both")
+    settings = TlsSettings(
+        cert_file.expanduser().resolve(),
+        key_file.expanduser().resolve(),
+        None if client_ca_file is None else client_ca_file.expanduser().resolve(),
+    )
+    check_files(settings)
+    return settings
+
+
 def identity(paths: list[Path]) -> FileIdentity:
     stats = [os.stat(path) for path in paths]
     return tuple((stat.st_ino, stat.st_size, stat.st_mtime_ns) for stat in stats)

@@ -15,7 +15,7 @@ import yaml
 
 from facade import launch
 from facade.pools import Pool
-from facade.tls import ListenerTls, UpstreamTls, listener_tls, upstream_tls
+from facade.tls import UpstreamTls, listener_tls, upstream_tls
 from service.settings import KeepaliveSettings, TlsSettings
 from service.transport.keepalive import server_options
 from service.transport.tls import ReloadingCertificates
@@ -72,7 +72,7 @@ def pki(tmp_path: Path) -> tuple[CertificateAuthority, KeyPair]:
     return authority, authority.server()
 
 
-def with_tls(tmp_path: Path, pools: bool) -> tuple[dict[str, Any], ListenerTls, UpstreamTls]:
+def with_tls(tmp_path: Path, pools: bool) -> tuple[dict[str, Any], TlsSettings, UpstreamTls]:
     authority, pair = pki(tmp_path)
     config = launch.render_config(8080, 9901, [("127.0.0.1", 50051)])
     if pools:
@@ -81,7 +81,7 @@ def with_tls(tmp_path: Path, pools: bool) -> tuple[dict[str, Any], ListenerTls, 
             [Pool("a", (("127.0.0.1", 1),), ("a",)), Pool("b", (("127.0.0.1", 2),), ("b",))],
             "",
         )
-    listener = ListenerTls(pair.cert_file, pair.key_file, authority.cert_file)
+    listener = TlsSettings(pair.cert_file, pair.key_file, authority.cert_file)
     upstream = UpstreamTls(authority.cert_file, pair.cert_file, pair.key_file)
     launch.apply_tls(config, listener, upstream, tmp_path)
     return config, listener, upstream
