@@ -76,6 +76,7 @@ class VllmOpenAIServer:
         max_model_len: int = ENGINE_ARGS["max_model_len"],
         kv_cache_gib: int = ENGINE_ARGS["kv_cache_gib"],
         extra_args: Sequence[str] = (),
+        prefix_caching: bool = False,
     ) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -89,7 +90,7 @@ class VllmOpenAIServer:
             "127.0.0.1",
             "--port",
             str(self.port),
-            "--no-enable-prefix-caching",
+            "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
             *extra_args,  # e.g. --enable-lora --lora-modules NAME=PATH
         ]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}

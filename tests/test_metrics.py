@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 import httpx
 
 from tests.helpers import CAPITAL_PROMPT, body, complete, stream_chunks
@@ -48,3 +50,23 @@ def test_engine_metrics_are_exposed(rest: httpx.Client, metrics_url: str) -> Non
         "vllm:e2e_request_latency_seconds_count",
     ):
         assert engine_metric in names, engine_metric
+
+
+def test_prefix_cache_hits_are_counted(rest: httpx.Client, metrics_url: str) -> None:
+    """A long prompt sent twice: the second finds it in the prefix cache, and both our count
+    of cached prompt tokens and vLLM's own hit counter grow by what the reply reported."""
+    prompt = f"Metrics {uuid.uuid4()}: " + " ".join(f"line {i};" for i in range(100))
+    complete(rest, prompt=prompt, max_tokens=1)
+    before = scrape(metrics_url)
+    cached = complete(rest, prompt=prompt, max_tokens=1)["usage"]["prompt_tokens_details"]
+    after = scrape(metrics_url)
+
+    def grew(name: str) -> float:  # over every label set (vLLM labels its own by engine)
+        return sum(v for (n, _), v in after.items() if n == name) - sum(
+            v for (n, _), v in before.items() if n == name
+        )
+
+    assert cached["cached_tokens"] > 0
+    assert grew("llmcompletions_cached_prompt_tokens_total") == cached["cached_tokens"]
+    assert grew("vllm:prefix_cache_hits_total") == cached["cached_tokens"]
+    assert grew("vllm:prefix_cache_queries_total") > cached["cached_tokens"]

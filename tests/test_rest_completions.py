@@ -44,7 +44,12 @@ def test_include_usage_ends_with_a_usage_chunk(rest: httpx.Client) -> None:
     )
     last = chunks[-1]
     assert last["choices"] == []
-    assert last["usage"] == {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11}
+    assert last["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 6,
+        "total_tokens": 11,
+        "prompt_tokens_details": {"audio_tokens": 0, "cached_tokens": 0},
+    }
     assert all("usage" not in chunk for chunk in chunks[:-1])
 
 

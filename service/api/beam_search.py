@@ -154,6 +154,7 @@ async def beam_search(
     running = [Beam()]
     finished: list[Beam] = []
     prompt_logprobs: PromptLogprobs | None = None
+    cached_tokens: int | None = None
     for length in range(1, settings.max_tokens + 1):
         params = step_params(settings, first=length == 1)
         outputs = await next_steps(
@@ -161,6 +162,7 @@ async def beam_search(
         )
         if length == 1:
             prompt_logprobs = outputs[0].prompt_logprobs
+            cached_tokens = outputs[0].num_cached_tokens
         candidates, ended = expand(running, outputs, settings, eos_token_id)
         finished += ended
         running = candidates[: settings.width]
@@ -179,6 +181,7 @@ async def beam_search(
             for index, beam in enumerate(best)
         ],
         finished=True,
+        num_cached_tokens=cached_tokens,
     )
 
 

@@ -100,11 +100,13 @@ class CompletionHandler:
                     for chunk in assembler.chunks(slot, result):
                         record.completion_tokens = assembler.completion_tokens
                         yield chunk
+                record.cached_tokens = assembler.cached.total
                 if request.stream_options.include_usage:
                     yield assembler.usage_chunk()
             else:
                 response = whole_response(header, plan, await final_outputs(results, slots))
                 record.completion_tokens = response.usage.completion_tokens
+                record.cached_tokens = response.usage.prompt_tokens_details.cached_tokens
                 yield response
         finally:
             await self.model.engine.abort([slot.request_id for slot in slots])  # no-op if done

@@ -11,6 +11,7 @@ from functools import cached_property
 from llmcompletions.v2.completions_pb2 import (
     Choice,
     CreateCompletionResponse,
+    PromptTokensDetails,
     StreamError,
     StreamErrorContent,
     Usage,
@@ -158,12 +159,29 @@ def mean_logprob(output: CompletionOutput) -> float:
     return (output.cumulative_logprob or 0.0) / max(len(output.token_ids), 1)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
     return Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
     )
+
+
+@dataclass
+class CachedTokens:
+    """Prompt tokens the engine found in its prefix cache, each prompt counted once (by its
+    first engine request's report: greedy copies of a prompt find it cached by each other)."""
+
+    by_prompt: dict[int, int] = field(default_factory=dict)
+
+    def add(self, slot: EngineSlot, result: RequestOutput) -> None:
+        if slot.prompt_index not in self.by_prompt:
+            self.by_prompt[slot.prompt_index] = result.num_cached_tokens or 0
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_prompt.values())
 
 
 def whole_response(
@@ -175,7 +193,9 @@ def whole_response(
     Usage counts every generated token, also of best_of candidates not returned."""
     by_prompt: dict[int, list[SlotOutput]] = {}
     completion_tokens = 0
+    cached = CachedTokens()
     for slot, result in results:
+        cached.add(slot, result)
         for output in result.outputs:
             by_prompt.setdefault(slot.prompt_index, []).append(SlotOutput(slot, result, output))
             completion_tokens += len(output.token_ids) if plan.keep_generated else 0
@@ -185,7 +205,7 @@ def whole_response(
             content = plan.content(item.slot, item.result, item.output, with_prompt=plan.echo)
             index = prompt_index * plan.n + position
             choices.append(plan.choice(index, content, plan.finish_reason(item.output), 0))
-    return header.message(choices, usage(plan.prompt_tokens(), completion_tokens))
+    return header.message(choices, usage(plan.prompt_tokens(), completion_tokens, cached.total))
 
 
 @dataclass
@@ -197,8 +217,10 @@ class StreamAssembler:
     echo_sent: set[int] = field(default_factory=set)
     text_offsets: dict[int, int] = field(default_factory=dict)
     completion_tokens: int = 0
+    cached: CachedTokens = field(default_factory=CachedTokens)
 
     def chunks(self, slot: EngineSlot, result: RequestOutput) -> list[CreateCompletionResponse]:
+        self.cached.add(slot, result)
         return [
             chunk
             for output in result.outputs
@@ -222,7 +244,9 @@ class StreamAssembler:
         return self.header.message([choice])
 
     def usage_chunk(self) -> CreateCompletionResponse:
-        return self.header.message((), usage(self.plan.prompt_tokens(), self.completion_tokens))
+        return self.header.message(
+            (), usage(self.plan.prompt_tokens(), self.completion_tokens, self.cached.total)
+        )
 
 
 def stream_error_chunk(error: CompletionError) -> CreateCompletionResponse:

@@ -44,6 +44,10 @@ TIME_PER_OUTPUT_TOKEN_SECONDS = Histogram(
     buckets=TOKEN_GAP_BUCKETS,
 )
 PROMPT_TOKENS = Counter("llmcompletions_prompt_tokens", "Prompt tokens of served requests")
+CACHED_PROMPT_TOKENS = Counter(
+    "llmcompletions_cached_prompt_tokens",
+    "Prompt tokens of served requests found in the engine's prefix cache",
+)
 COMPLETION_TOKENS = Counter(
     "llmcompletions_completion_tokens", "Completion tokens generated for served requests"
 )
@@ -77,6 +81,7 @@ class RequestRecord:
     first_message_at: float | None = None
     last_message_at: float | None = None
     prompt_tokens: int = 0
+    cached_tokens: int = 0
     completion_tokens: int = 0
     prompts: list[str] | None = None  # only kept when prompts are logged
     output: str = ""
@@ -106,6 +111,7 @@ class RequestRecord:
         REQUEST_SECONDS.observe(latency)
         self.observe_time_per_output_token()
         PROMPT_TOKENS.inc(self.prompt_tokens)
+        CACHED_PROMPT_TOKENS.inc(self.cached_tokens)
         COMPLETION_TOKENS.inc(self.completion_tokens)
         fields: dict[str, Any] = {
             "request_id": self.request_id,
@@ -113,6 +119,7 @@ class RequestRecord:
             "user": self.user,
             "stream": self.stream,
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "completion_tokens": self.completion_tokens,
             "latency_s": round(latency, 4),
             "status": code,

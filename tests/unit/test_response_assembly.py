@@ -92,7 +92,12 @@ def test_one_prompt_one_choice() -> None:
         "model": "smollm2-135m-instruct",
         "system_fingerprint": "fp_0123",
         "choices": [{"index": 0, "text": " Paris.", "finish_reason": "stop"}],
-        "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7},
+        "usage": {
+            "prompt_tokens": 5,
+            "completion_tokens": 2,
+            "total_tokens": 7,
+            "prompt_tokens_details": {"audio_tokens": 0, "cached_tokens": 0},
+        },
     }
 
 
@@ -149,6 +154,18 @@ def test_best_of_returns_the_n_best_by_mean_logprob_and_counts_every_candidate()
     response = whole_response(HEADER, plan(n=2, candidates=4), [(slot(), request_output(outputs))])
     assert texts(response) == [(0, " Paris", "length"), (1, " A B C D", "length")]
     assert response.usage.completion_tokens == 9
+
+
+def test_cached_tokens_count_each_prompt_once() -> None:
+    """The engine's prefix-cache hits per prompt: greedy copies of one prompt (one engine
+    request each) report the prompt's hit once, from its first request."""
+    results = [
+        (slot(0, 0), request_output([completion_output([7])], num_cached_tokens=16)),
+        (slot(0, 1), request_output([completion_output([7])], num_cached_tokens=32)),
+        (slot(1, 0), request_output([completion_output([9])], [14], num_cached_tokens=0)),
+    ]
+    response = whole_response(HEADER, plan([CAPITAL, HI], n=2), results)
+    assert response.usage.prompt_tokens_details.cached_tokens == 16
 
 
 def test_mean_logprob() -> None:
@@ -217,7 +234,12 @@ def test_flat_logprobs_from_vllm_read_like_lists() -> None:
 
 
 def test_usage() -> None:
-    assert as_json(usage(5, 7)) == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
+    assert as_json(usage(5, 7, 3)) == {
+        "prompt_tokens": 5,
+        "completion_tokens": 7,
+        "total_tokens": 12,
+        "prompt_tokens_details": {"audio_tokens": 0, "cached_tokens": 3},
+    }
 
 
 # ---- streaming
@@ -272,8 +294,24 @@ def test_the_usage_chunk_has_no_choices_and_counts_everything_streamed() -> None
     )
     final = as_json(assembler.usage_chunk())
     assert final["choices"] == []
-    assert final["usage"] == {"prompt_tokens": 6, "completion_tokens": 4, "total_tokens": 10}
+    assert final["usage"] == {
+        "prompt_tokens": 6,
+        "completion_tokens": 4,
+        "total_tokens": 10,
+        "prompt_tokens_details": {"audio_tokens": 0, "cached_tokens": 0},
+    }
     assert final["id"] == "cmpl-test"
+
+
+def test_the_usage_chunk_reports_the_prompts_cached_tokens() -> None:
+    assembler = StreamAssembler(HEADER, plan([CAPITAL, HI]))
+    stream(
+        assembler,
+        (slot(0), delta([7], num_cached_tokens=16)),
+        (slot(1), delta([10], prompt_token_ids=[14], num_cached_tokens=0)),
+        (slot(0), delta([8], finish_reason="length", num_cached_tokens=16)),
+    )
+    assert assembler.usage_chunk().usage.prompt_tokens_details.cached_tokens == 16
 
 
 def test_streamed_indices_follow_prompt_and_choice() -> None:

@@ -107,6 +107,7 @@ def request_output(
     prompt_token_ids: Sequence[int] = (2, 3, 4, 5, 6),
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None,
     request_id: str = "req",
+    num_cached_tokens: int = 0,
 ) -> RequestOutput:
     return RequestOutput(
         request_id=request_id,
@@ -115,4 +116,5 @@ def request_output(
         prompt_logprobs=prompt_logprobs,
         outputs=outputs,
         finished=all(output.finish_reason is not None for output in outputs),
+        num_cached_tokens=num_cached_tokens,
     )
