@@ -31,7 +31,7 @@ def test_help_lists_every_option_with_default_and_env() -> None:
     for option in options:
         if option == "--help":
             continue
-        described = text.split(option, 2)[-1].split(" --", 1)[0]
+        described = text.split(f"{option} ", 2)[-1].split(" --", 1)[0]
         assert "[env " in described and "default:" in described, option
 
 
