@@ -71,12 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
 def run_serve(args: argparse.Namespace) -> int:
     from service.model.adapters import AdapterError, check_adapters
     from service.model.default_model import model_directory
+    from service.model.placement import PlacementError, binding
     from service.transport.server import serve
     from service.transport.tls import CertificateError
 
     try:
         engine = engine_settings(args)
         server = server_settings(args)
+        if engine.cpu_cores:  # the cores must split evenly over the engine's workers
+            binding(engine.cpu_cores, engine.tensor_parallel_size * engine.pipeline_parallel_size)
         if engine.lora_modules:
             check_adapters(
                 engine.lora_modules,
@@ -84,7 +87,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 model_directory(engine.model),
                 engine.served_model_name,
             )
-    except (AdapterError, CertificateError) as error:
+    except (AdapterError, CertificateError, PlacementError) as error:
         print(f"llm-completions: error: {error}", file=sys.stderr)
         return 1
     # Not asyncio.run: its teardown is what exit_now skips. uvloop, as vLLM's own server: each

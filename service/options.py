@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from service.model.default_model import DEFAULT_SERVED_MODEL_NAME
+from service.model.placement import PlacementError, available_cores, parse_core_list
 from service.settings import (
     EngineSettings,
     KeepaliveSettings,
@@ -204,6 +205,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         None,
         "mp (one node) or ray (several nodes); unset: vLLM chooses",
     )
+    add_placement_options(parser)
     add_lora_options(parser, defaults)
     add_option(
         parser,
@@ -212,6 +214,45 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         {},
         "other vLLM engine arguments as a JSON object",
         json_object,
+    )
+
+
+def cpu_core_list(text: str) -> tuple[int, ...]:
+    try:
+        return parse_core_list(text, available_cores())
+    except PlacementError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
+
+
+cpu_core_list.__name__ = "core list"  # argparse: "invalid core list value"
+
+
+def device_list(text: str) -> str:
+    devices = [item.strip() for item in text.split(",")]
+    if not all(devices):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of devices such as 0,1")
+    return ",".join(devices)
+
+
+def add_placement_options(parser: argparse.ArgumentParser) -> None:
+    add_option(
+        parser,
+        "--cpu-cores",
+        "CPU_CORES",
+        None,
+        "CPU cores the engine's threads run on, e.g. 0-3 or 0,2 (split evenly over tensor x "
+        "pipeline parallel workers); give each replica of a host its own; unset: vLLM binds "
+        "automatically, the same cores for every replica",
+        cpu_core_list,
+    )
+    add_option(
+        parser,
+        "--gpu-devices",
+        "GPU_DEVICES",
+        None,
+        "GPU build: the devices the engine sees (CUDA_VISIBLE_DEVICES), e.g. 0,1; give each "
+        "replica of a host its own; unset: all",
+        device_list,
     )
 
 
@@ -425,6 +466,8 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
         pipeline_parallel_size=args.pipeline_parallel_size,
         data_parallel_size=args.data_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
+        cpu_cores=args.cpu_cores or (),
+        gpu_devices=args.gpu_devices,
         lora_modules=tuple(args.lora_modules),
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,

@@ -31,6 +31,10 @@ class EngineSettings:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # "mp" or "ray"; None lets vLLM choose
+    # Where the engine runs: its CPU cores (none: vLLM's automatic binding), or on a GPU build
+    # the devices it sees (None: all).
+    cpu_cores: tuple[int, ...] = ()
+    gpu_devices: str | None = None
     # LoRA adapters on the base model, each served under its own name (none: LoRA off).
     lora_modules: tuple[LoraModule, ...] = ()
     max_loras: int = 1  # adapters in one batch

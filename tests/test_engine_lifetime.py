@@ -1,6 +1,7 @@
 """The engine's processes never outlive the server: killed outright (SIGKILL, as the OOM
 killer does) the server takes its engine core and workers with it and frees its port; stopped
-while the engine is still loading, it stops the load and exits at once."""
+while the engine is still loading, it stops the load and exits at once. (Started beside the
+session's engine with automatic binding, the service also warns that they share cores.)"""
 
 from __future__ import annotations
 
@@ -64,8 +65,22 @@ def service(tmp_path: Path) -> Iterator[TestStack]:
         running.stop()
 
 
-def test_a_killed_server_leaves_no_engine_process_and_frees_its_port(service: TestStack) -> None:
+def assert_warned_about_shared_cores(service: TestStack) -> None:
+    """It bound automatically while another engine (the session's) ran on this host."""
+    assert service.service_log is not None
+    warnings = [
+        line
+        for line in service.service_log.read_text().splitlines()
+        if "WARNING" in line and "beside another vLLM engine" in line
+    ]
+    assert len(warnings) == 1 and "--cpu-cores" in warnings[0]
+
+
+def test_a_killed_server_leaves_no_engine_process_and_frees_its_port(
+    stack: TestStack, service: TestStack
+) -> None:
     service.wait_ready_service(ENGINE_START_TIMEOUT)
+    assert_warned_about_shared_cores(service)
     server = psutil.Process(service.processes[0].pid)
     engines = engine_processes(server)
     assert {p.name() for p in engines} >= {"VLLM::EngineCore", "VLLM::Worker"}, engines

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import signal
 import socket
@@ -95,12 +96,15 @@ class Replica:
     log: Path
 
     @classmethod
-    def new(cls, log: Path) -> Replica:
+    def new(cls, log: Path, core: int) -> Replica:
         metrics_port = stable_port()
         stack = TestStack(
             grpc_port=stable_port(),
             service_args=[
                 *SMALL_ENGINE,
+                # Each replica on a core of its own: vLLM's automatic binding would put both
+                # on the same one, and one would starve.
+                *("--cpu-cores", str(core)),
                 "--metrics-port",
                 str(metrics_port),
                 "--shutdown-grace",
@@ -367,7 +371,7 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[Cluster]:
     logs = tmp_path_factory.mktemp("replicas")
-    replicas = [Replica.new(logs / f"replica-{i}.log") for i in range(2)]
+    replicas = [Replica.new(logs / f"replica-{i}.log", core=i) for i in range(2)]
     http_port, admin_port = stable_port(), stable_port()
     command = [
         sys.executable,
@@ -462,6 +466,25 @@ def test_replicas_join_rotation_within_seconds_of_serving(cluster: Cluster) -> N
     time.sleep(2)
     assert cluster.traffic.failures(since=min(joins) + 1) == []
     assert cluster.ejections() == 0
+
+
+def bound_cores(replica: Replica) -> set[int]:
+    """The cores the replica's engine worker binds its threads to, one core a thread."""
+    (worker,) = [p for p in replica.processes() if p.name() == "VLLM::Worker"]
+    cores: set[int] = set()
+    for thread in worker.threads():
+        try:
+            affinity = os.sched_getaffinity(thread.id)
+        except OSError:  # the thread ended meanwhile
+            continue
+        if len(affinity) == 1:
+            cores |= affinity
+    return cores
+
+
+def test_each_replica_runs_on_its_own_core(cluster: Cluster) -> None:
+    cluster.wait_both_in_rotation()
+    assert [bound_cores(replica) for replica in cluster.replicas] == [{0}, {1}]
 
 
 def test_a_drain_lasts_as_long_as_its_longest_request(cluster: Cluster) -> None:

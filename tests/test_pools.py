@@ -59,11 +59,14 @@ class Endpoint:
         )
 
 
-def pool_stack(name: str, extra: list[str], metrics_port: int, log_dir: Path) -> TestStack:
+def pool_stack(
+    name: str, extra: list[str], metrics_port: int, log_dir: Path, core: int
+) -> TestStack:
     return TestStack(
         grpc_port=free_port(),
         service_args=[
             *SMALL_ENGINE,
+            *("--cpu-cores", str(core)),  # each replica of this host on a core of its own
             *("--served-model-name", name),
             *extra,
             *("--metrics-port", str(metrics_port)),
@@ -87,7 +90,8 @@ def endpoint(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     metrics_ports = {"alpha": free_port(), "beta": free_port()}
     extra = {"alpha": [], "beta": ["--lora-modules", f"{ADAPTER}={adapter}"]}
     pools = {
-        name: pool_stack(name, extra[name], metrics_ports[name], root) for name in metrics_ports
+        name: pool_stack(name, extra[name], metrics_ports[name], root, core)
+        for core, name in enumerate(metrics_ports)
     }
     http_port = free_port()
     launch = [

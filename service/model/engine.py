@@ -20,6 +20,7 @@ from service.api.validation import MAX_BEST_OF
 from service.model.adapters import ModelCatalog, build_catalog
 from service.model.default_model import model_directory
 from service.model.lifetime import mark_engine_parent
+from service.model.placement import place_engine
 from service.settings import EngineSettings
 
 logger = logging.getLogger(__name__)
@@ -139,6 +140,12 @@ def start_engine(settings: EngineSettings) -> ServedModel:
     # The periodic throughput log line would drown the one-line-per-request log.
     logging.getLogger("vllm.v1.metrics.loggers").setLevel(logging.WARNING)
     mark_engine_parent()  # the engine's processes die with this one
+    place_engine(
+        settings.cpu_cores,
+        settings.gpu_devices,
+        ranks=settings.tensor_parallel_size * settings.pipeline_parallel_size,
+        on_cpu=current_platform.is_cpu(),
+    )
     engine = AsyncLLM.from_engine_args(args)
     # vLLM reads some of its settings from the environment for every generated token (1.9 us a
     # read, 0.3 cached). Nothing here changes them once the engine runs: cache them, as vLLM's

@@ -744,3 +744,32 @@ def test_unusable_tls_options_are_refused_in_one_line_with_no_server(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("llm-completions: error: ")
     assert said in err
+
+
+# ---- placement
+
+
+def test_cpu_cores_and_gpu_devices_reach_the_engine_settings(
+    served: list[tuple[ServerSettings, EngineSettings]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GPU_DEVICES", "1, 2")
+    assert cli.run_serve(parse("serve", "--cpu-cores", "0")) == 0
+    engine = served[0][1]
+    assert (engine.cpu_cores, engine.gpu_devices) == ((0,), "1,2")
+
+
+@pytest.mark.parametrize("value", ["x", "0-", "0,0", "4096"])
+def test_bad_cpu_cores_are_usage_errors(capsys: pytest.CaptureFixture[str], value: str) -> None:
+    assert "--cpu-cores" in usage_error(capsys, "serve", "--cpu-cores", value)
+
+
+def test_cores_that_do_not_split_over_the_workers_are_refused(
+    served: list[tuple[ServerSettings, EngineSettings]],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("service.options.available_cores", lambda: {0, 1, 2})
+    args = parse("serve", "--cpu-cores", "0-2", "--tensor-parallel-size", "2")
+    assert cli.run_serve(args) == 1
+    assert served == []
+    assert "cannot be split evenly over 2" in capsys.readouterr().err
