@@ -18,8 +18,21 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from llmcompletions.v2 import completions_pb2
 
+from facade.balancing import (
+    BALANCE_POLICIES,
+    PrefixAffinity,
+    add_prefix_affinity,
+    install_routing_filters,
+)
+from facade.envoy_config import (
+    DESCRIPTOR_FILE,
+    FACADE_DIR,
+    filter_config,
+    grpc_route,
+    replica_clusters,
+    routes,
+)
 from facade.pools import Pool, PoolError, discover, listing_header, parse_pool
 from facade.tls import (
     UpstreamTls,
@@ -31,11 +44,8 @@ from facade.tls import (
 from service.settings import ServerSettings, TlsSettings
 from service.transport.endpoint_models import ENDPOINT_MODELS_HEADER
 
-FACADE_DIR = Path(__file__).resolve().parent
 ENVOY_TEMPLATE = FACADE_DIR.parent / "envoy.yaml"
 LUA_FILE = FACADE_DIR / "completions.lua"
-ROUTING_LUA_FILE = FACADE_DIR / "routing.lua"
-DESCRIPTOR_FILE = FACADE_DIR / "completions.pb"
 OPENAPI_FILE = FACADE_DIR / "openapi.json"
 TEMPLATE = yaml.safe_load(ENVOY_TEMPLATE.read_text())
 # The ports of envoy.yaml, the one place they are written.
@@ -51,28 +61,12 @@ MAX_REPLY_HEADER = "x-max-reply-bytes"
 DEFAULT_DISCOVERY_TIMEOUT = 1800.0  # pools may still be loading large models
 ANY_POOL_CLUSTER = "any_pool"
 MODEL_HEADER = "x-model"
-TRANSCODER = "envoy.filters.http.grpc_json_transcoder"
 DEBUG_HEADERS = [
     {"header": {"key": "x-upstream-host", "value": "%UPSTREAM_REMOTE_ADDRESS%"}},
     {"header": {"key": "x-upstream-service-time", "value": "%RESPONSE_DURATION%"}},
+    # The call's routing key (facade/balancing.py), when it has one.
+    {"header": {"key": "x-prefix-key", "value": "%REQ(x-prefix-key)%"}},
 ]
-
-
-def connection_manager(config: dict[str, Any]) -> dict[str, Any]:
-    listener = config["static_resources"]["listeners"][0]
-    return listener["filter_chains"][0]["filters"][0]["typed_config"]
-
-
-def http_filters(config: dict[str, Any]) -> list[dict[str, Any]]:
-    return connection_manager(config)["http_filters"]
-
-
-def routes(config: dict[str, Any]) -> list[dict[str, Any]]:
-    return connection_manager(config)["route_config"]["virtual_hosts"][0]["routes"]
-
-
-def filter_config(config: dict[str, Any], name: str) -> dict[str, Any]:
-    return next(f["typed_config"] for f in http_filters(config) if f["name"] == name)
 
 
 def is_ip_address(host: str) -> bool:
@@ -88,10 +82,6 @@ def parse_address(text: str) -> tuple[str, int]:
     if not host or not port.isdigit():
         raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
     return host, int(port)
-
-
-def grpc_route(config: dict[str, Any]) -> dict[str, Any]:
-    return next(r for r in routes(config) if "route" in r)
 
 
 def render_config(
@@ -136,16 +126,6 @@ def set_endpoints(cluster: dict[str, Any], addresses: Sequence[tuple[str, int]])
     cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
         {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}
         for host, port in addresses
-    ]
-
-
-def methods_with_model() -> list[str]:
-    """The fully qualified methods whose request names a model, from the proto."""
-    service = completions_pb2.DESCRIPTOR.services_by_name["CompletionService"]
-    return [
-        method.full_name
-        for method in service.methods
-        if "model" in method.input_type.fields_by_name
     ]
 
 
@@ -214,29 +194,21 @@ def route_by_model(config: dict[str, Any], pools: Sequence[Pool], listing: str) 
     all_routes = routes(config)
     index = all_routes.index(grpc)
     all_routes[index : index + 1] = [*by_model, any_pool_route(grpc, listing)]
-    filters = http_filters(config)
-    after_transcoder = [f["name"] for f in filters].index(TRANSCODER) + 1
-    filters[after_transcoder:after_transcoder] = [
-        {
-            "name": "envoy.filters.http.grpc_field_extraction",
-            "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.filters.http."
-                "grpc_field_extraction.v3.GrpcFieldExtractionConfig",
-                "descriptor_set": {"filename": str(DESCRIPTOR_FILE)},
-                "extractions_by_method": {
-                    method: {"request_field_extractions": {"model": {}}}
-                    for method in methods_with_model()
-                },
-            },
-        },
-        {
-            "name": "llmcompletions.route_by_model",
-            "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
-                "default_source_code": {"filename": str(ROUTING_LUA_FILE)},
-            },
-        },
-    ]
+
+
+def configure_routing(
+    config: dict[str, Any],
+    pools: Sequence[Pool],
+    listing: str,
+    affinity: PrefixAffinity | None,
+) -> None:
+    """Routes by model over several pools (if given), and prefix affinity within each pool
+    (unless least request was asked for)."""
+    if pools:
+        route_by_model(config, pools, listing)
+    if affinity is not None:
+        add_prefix_affinity(config, affinity)
+    install_routing_filters(config, by_model=bool(pools), affinity=affinity)
 
 
 def apply_tls(
@@ -250,9 +222,8 @@ def apply_tls(
         chain = config["static_resources"]["listeners"][0]["filter_chains"][0]
         chain["transport_socket"] = listener_transport_socket(listener, directory)
     if upstream is not None:
-        for cluster in config["static_resources"]["clusters"]:
-            if "load_assignment" in cluster:  # not the aggregate of pools
-                cluster["transport_socket"] = upstream_transport_socket(upstream, directory)
+        for cluster in replica_clusters(config):
+            cluster["transport_socket"] = upstream_transport_socket(upstream, directory)
 
 
 def write_config(config: dict[str, Any], directory: Path) -> Path:
@@ -279,11 +250,19 @@ def from_env(name: str, fallback: object = None) -> str | None:
     return None if value is None else str(value)
 
 
-def positive_int(text: str) -> int:
+def at_least(text: str, minimum: int) -> int:
     value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be at least {minimum}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return at_least(text, 1)
+
+
+def balance_factor(text: str) -> int:
+    return at_least(text, 100)  # Envoy's lowest: no replica above the average
 
 
 def log(message: str) -> None:
@@ -323,6 +302,46 @@ def add_tls_options(parser: argparse.ArgumentParser) -> None:
         "the PEM client certificate Envoy presents to replicas that require one",
     )
     path_option(parser, "--upstream-key-file", "UPSTREAM_KEY_FILE", "its PEM private key")
+
+
+def add_balance_options(parser: argparse.ArgumentParser) -> None:
+    defaults = PrefixAffinity()
+    parser.add_argument(
+        "--balance",
+        choices=BALANCE_POLICIES,
+        default=from_env("BALANCE", "prefix"),
+        help="how a pool's replica is picked for a completion: prefix (requests sharing "
+        "their model and leading prompt go to the same replica, whose prefix cache holds it, "
+        "within a load bound) or least-request (env BALANCE; default prefix)",
+    )
+    parser.add_argument(
+        "--prefix-chars",
+        type=positive_int,
+        default=from_env("PREFIX_CHARS", defaults.chars),
+        help="the leading part of a text prompt that keys it, in bytes (env PREFIX_CHARS; "
+        f"default {defaults.chars})",
+    )
+    parser.add_argument(
+        "--prefix-tokens",
+        type=positive_int,
+        default=from_env("PREFIX_TOKENS", defaults.tokens),
+        help="the leading part of a token-id prompt that keys it (env PREFIX_TOKENS; default "
+        f"{defaults.tokens})",
+    )
+    parser.add_argument(
+        "--balance-factor",
+        type=balance_factor,
+        default=from_env("BALANCE_FACTOR", defaults.balance_factor),
+        help="a replica takes a key's requests while its requests in flight are within this "
+        "percentage of the pool's average, else the next replica does (env BALANCE_FACTOR; "
+        f"default {defaults.balance_factor})",
+    )
+
+
+def affinity_from(args: argparse.Namespace) -> PrefixAffinity | None:
+    if args.balance != "prefix":
+        return None
+    return PrefixAffinity(args.prefix_chars, args.prefix_tokens, args.balance_factor)
 
 
 def describe_tls(tls: TlsSettings | UpstreamTls | None) -> str:
@@ -389,6 +408,7 @@ def main() -> None:
         help="Envoy worker threads (env ENVOY_CONCURRENCY; default: one per hardware thread)",
     )
     add_tls_options(parser)
+    add_balance_options(parser)
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args()
     try:
@@ -417,22 +437,26 @@ def main() -> None:
         max_reply_bytes=args.max_reply_bytes,
         debug_headers=args.debug_headers,
     )
+    listing = ""
     if pools:
         try:
-            pools, listing = discover(
+            pools, found = discover(
                 pools, os.environ.get("API_KEY"), args.discovery_timeout, log, upstream
             )
-            route_by_model(config, pools, listing_header(listing))
+            listing = listing_header(found)
         except PoolError as error:
             sys.exit(f"envoy: {error}")
         upstreams = [address for pool in pools for address in pool.addresses]
+    affinity = affinity_from(args)
+    configure_routing(config, pools, listing, affinity)
     directory = Path(tempfile.mkdtemp(prefix="envoy-facade-"))
     apply_tls(config, listener, upstream, directory)
     config_path = write_config(config, directory)
     command = envoy_command(config_path, args.log_level, args.concurrency)
     log(
         f"REST and gRPC on {args.listen_host}:{args.http_port} ({describe_tls(listener)}) -> "
-        f"replicas {upstreams} ({describe_tls(upstream)})"
+        f"replicas {upstreams} ({describe_tls(upstream)}), balanced by "
+        + ("least request" if affinity is None else f"prefix ({affinity})")
     )
     os.execv(command[0], command)
 

@@ -52,7 +52,8 @@ logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request oth
 DRAIN_DELAY = 5.0
 GRACE = 60.0  # far longer than any drain here: a drain must not need it
 TOKENS = 24  # per request of the sustained traffic
-LONG_TOKENS = 80  # the stream in flight across a drain: 7-25 s here, past the delay
+# The stream in flight across a drain: past the delay even on a replica with a core of its own.
+LONG_TOKENS = 240
 KILL_SETTLE = 3.0  # "a few seconds later"
 POLL = 0.2
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -85,6 +86,12 @@ def stable_port() -> int:
                 continue
         return port
     return free_port()
+
+
+def varied(prompt: str) -> str:
+    """Traffic from many callers: prompts that share no leading part, so that Envoy's prefix
+    affinity spreads them over both replicas as least request would."""
+    return f"{random.randrange(10**9)} {prompt}"
 
 
 @dataclass
@@ -212,7 +219,7 @@ class Traffic:
         started = time.time()
         try:
             response = rest.post(
-                "/v2/completions", json=body(prompt="Hi", max_tokens=4, ignore_eos=True)
+                "/v2/completions", json=body(prompt=varied("Hi"), max_tokens=4, ignore_eos=True)
             )
             ok, detail = response.status_code == 200, f"{response.status_code}"
         except httpx.HTTPError as error:
@@ -239,7 +246,7 @@ class Traffic:
     def _call(
         kind: str, rest: httpx.Client, stub: completions_pb2_grpc.CompletionServiceStub
     ) -> tuple[bool, str]:
-        fields = {"prompt": "Count:", "max_tokens": TOKENS, "ignore_eos": True}
+        fields = {"prompt": varied("Count:"), "max_tokens": TOKENS, "ignore_eos": True}
         if kind == "grpc-stream":
             messages = list(stub.CreateCompletion(grpc_request(stream=True, **fields), timeout=60))
             finished = [c.finish_reason for m in messages for c in m.choices if c.finish_reason]

@@ -25,6 +25,7 @@ from llmcompletions.client import CompletionClient, Tls
 from llmcompletions.v2 import completions_pb2_grpc
 
 from facade import launch
+from facade.balancing import PrefixAffinity
 from facade.pools import Pool
 from facade.tls import UpstreamTls
 from service.settings import TlsSettings
@@ -278,7 +279,7 @@ def test_rotated_certificates_are_used_without_a_restart(tls_stack: TestStack, p
 def test_envoy_accepts_tls_with_several_pools(pki: Pki, tmp_path: Path) -> None:
     config = launch.render_config(free_port(), free_port(), [("127.0.0.1", 1)])
     pools = [Pool(name, (("127.0.0.1", port),), (name,)) for name, port in (("a", 1), ("b", 2))]
-    launch.route_by_model(config, pools, "")
+    launch.configure_routing(config, pools, "", PrefixAffinity())
     listener = TlsSettings(pki.server.cert_file, pki.server.key_file, pki.clients.cert_file)
     upstream = UpstreamTls(
         pki.trusted_servers, pki.envoy_client.cert_file, pki.envoy_client.key_file

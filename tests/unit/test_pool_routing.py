@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from llmcompletions.v2.completions_pb2 import ListModelsResponse, Model
 
-from facade import launch
+from facade import balancing, envoy_config, launch
 from facade.pools import Pool, PoolError, checked, listing_header, parse_pool
 from service.transport import endpoint_models
 
@@ -28,12 +28,14 @@ def listing(*names: str) -> ListModelsResponse:
 
 def rendered() -> dict[str, Any]:
     config = launch.render_config(8080, 9901, [("127.0.0.1", 50051)])
-    launch.route_by_model(config, pools(), listing_header(listing("alpha", "beta", "beta-sql")))
+    launch.configure_routing(
+        config, pools(), listing_header(listing("alpha", "beta", "beta-sql")), affinity=None
+    )
     return config
 
 
 def test_the_methods_routed_by_model_are_those_whose_request_names_one() -> None:
-    assert sorted(name.rsplit(".", 1)[1] for name in launch.methods_with_model()) == [
+    assert sorted(name.rsplit(".", 1)[1] for name in balancing.methods_with_model()) == [
         "CreateCompletion",
         "Detokenize",
         "GetModelInfo",
@@ -56,7 +58,7 @@ def test_each_pool_is_a_cluster_like_the_single_one() -> None:
 
 
 def test_each_model_routes_to_its_pool_and_the_rest_to_any_pool_with_the_listing() -> None:
-    grpc_routes = [r for r in launch.routes(rendered()) if "route" in r]
+    grpc_routes = [r for r in envoy_config.routes(rendered()) if "route" in r]
     by_model = {
         header["string_match"]["exact"]: route["route"]["cluster"]
         for route in grpc_routes
@@ -71,19 +73,19 @@ def test_each_model_routes_to_its_pool_and_the_rest_to_any_pool_with_the_listing
         base64.b64decode(added[endpoint_models.ENDPOINT_MODELS_HEADER])
     )
     assert [model.id for model in passed.data] == ["alpha", "beta", "beta-sql"]
-    template_route = launch.grpc_route(launch.TEMPLATE)
+    template_route = envoy_config.grpc_route(launch.TEMPLATE)
     for route in grpc_routes:  # retries, timeouts and the reply limit as with one pool
         assert route["route"]["retry_policy"] == template_route["route"]["retry_policy"]
         assert route["typed_per_filter_config"] == template_route["typed_per_filter_config"]
 
 
 def test_the_model_is_read_after_the_transcoder_and_before_the_router() -> None:
-    names = [f["name"] for f in launch.http_filters(rendered())]
-    start = names.index(launch.TRANSCODER)
+    names = [f["name"] for f in envoy_config.http_filters(rendered())]
+    start = names.index(envoy_config.TRANSCODER)
     assert names[start:] == [
-        launch.TRANSCODER,
+        envoy_config.TRANSCODER,
         "envoy.filters.http.grpc_field_extraction",
-        "llmcompletions.route_by_model",
+        "llmcompletions.routing",
         "envoy.filters.http.router",
     ]
 

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 import yaml
 
-from facade import launch
+from facade import envoy_config, launch
+from facade.balancing import PrefixAffinity
 from facade.pools import Pool
 from facade.tls import UpstreamTls, listener_tls, upstream_tls
 from service.settings import KeepaliveSettings, TlsSettings
@@ -75,12 +76,8 @@ def pki(tmp_path: Path) -> tuple[CertificateAuthority, KeyPair]:
 def with_tls(tmp_path: Path, pools: bool) -> tuple[dict[str, Any], TlsSettings, UpstreamTls]:
     authority, pair = pki(tmp_path)
     config = launch.render_config(8080, 9901, [("127.0.0.1", 50051)])
-    if pools:
-        launch.route_by_model(
-            config,
-            [Pool("a", (("127.0.0.1", 1),), ("a",)), Pool("b", (("127.0.0.1", 2),), ("b",))],
-            "",
-        )
+    two = [Pool(name, (("127.0.0.1", port),), (name,)) for name, port in (("a", 1), ("b", 2))]
+    launch.configure_routing(config, two if pools else [], "", PrefixAffinity())
     listener = TlsSettings(pair.cert_file, pair.key_file, authority.cert_file)
     upstream = UpstreamTls(authority.cert_file, pair.cert_file, pair.key_file)
     launch.apply_tls(config, listener, upstream, tmp_path)
@@ -95,7 +92,7 @@ def test_envoy_speaks_tls_on_its_listener_and_to_every_replica(tmp_path: Path, p
     assert downstream["require_client_certificate"] is True
     assert downstream["common_tls_context"]["alpn_protocols"] == ["h2", "http/1.1"]
     replicas = [c for c in config["static_resources"]["clusters"] if "load_assignment" in c]
-    assert len(replicas) == (2 if pools else 1)
+    assert len(replicas) == (4 if pools else 2)  # each pool and its twin balanced by prefix
     for cluster in replicas:
         context = cluster["transport_socket"]["typed_config"]["common_tls_context"]
         assert context["alpn_protocols"] == ["h2"]
@@ -119,7 +116,7 @@ def test_envoy_reads_each_certificate_from_a_watched_secret_file(tmp_path: Path)
 
 def test_envoy_keeps_both_sides_alive_with_http2_pings() -> None:
     config = launch.render_config(8080, 9901, [("127.0.0.1", 50051)])
-    manager = launch.connection_manager(config)
+    manager = envoy_config.connection_manager(config)
     assert manager["http2_protocol_options"]["connection_keepalive"]["timeout"]
     (cluster,) = config["static_resources"]["clusters"]
     options = cluster["typed_extension_protocol_options"][

@@ -1,0 +1,172 @@
+"""How Envoy picks a replica of a pool.
+
+`prefix` (the default): a completion is keyed by its model and the leading part of its first
+prompt (text or token ids), and requests with the same key go to the same replica, whose
+prefix cache then already holds that part (a system prompt, few-shot examples, a document, a
+conversation so far); a replica loaded beyond a bound passes the key's requests on to the next
+one. Envoy does both itself: consistent hashing (ring hash) on a header with bounded load
+(`hash_balance_factor`). The key is computed in Envoy after the transcoder, so REST and native
+gRPC calls are keyed alike: Envoy's gRPC field extraction reads `model` and the prompt from the
+request message, and a Lua filter turns them into the key header.
+
+`least-request`: every call to the replica with the fewest requests in flight. Calls that have
+no key (listing, tokenization) are always balanced this way.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+from llmcompletions.v2 import completions_pb2
+
+from facade.envoy_config import (
+    DESCRIPTOR_FILE,
+    FACADE_DIR,
+    TRANSCODER,
+    http_filters,
+    replica_clusters,
+    routes,
+)
+
+ROUTING_LUA_FILE = FACADE_DIR / "routing.lua"
+BALANCE_POLICIES = ("prefix", "least-request")
+PREFIX_HEADER = "x-prefix-key"
+EXTRACTION = "envoy.filters.http.grpc_field_extraction"
+ROUTING_FILTER = "llmcompletions.routing"
+SERVICE = completions_pb2.DESCRIPTOR.services_by_name["CompletionService"]
+CREATE_COMPLETION = SERVICE.methods_by_name["CreateCompletion"].full_name
+# Where a prompt's text or token ids sit in its google.protobuf.Value (a string, a list of
+# strings, a list of token ids, or a list of token-id lists).
+PROMPT_FIELDS = (
+    "prompt.string_value",
+    "prompt.list_value.values.string_value",
+    "prompt.list_value.values.number_value",
+    "prompt.list_value.values.list_value.values.number_value",
+)
+
+
+@dataclass(frozen=True)
+class PrefixAffinity:
+    """The key's length, and the load bound: a replica takes a key's requests while its
+    requests in flight stay within `balance_factor` percent of the pool's average."""
+
+    chars: int = 256  # of a text prompt
+    tokens: int = 64  # of a token-id prompt
+    balance_factor: int = 150
+
+
+def methods_with_model() -> list[str]:
+    """The fully qualified methods whose request names a model, from the proto."""
+    return [
+        method.full_name
+        for method in SERVICE.methods
+        if "model" in method.input_type.fields_by_name
+    ]
+
+
+def extracted_fields(by_model: bool, affinity: PrefixAffinity | None) -> dict[str, list[str]]:
+    """The request fields Envoy reads, by method: `model` to route between pools, and a
+    completion's model and prompt for its key."""
+    fields: dict[str, list[str]] = {}
+    if by_model:
+        fields = {method: ["model"] for method in methods_with_model()}
+    if affinity is not None:
+        fields[CREATE_COMPLETION] = ["model", *PROMPT_FIELDS]
+    return fields
+
+
+def routing_lua(affinity: PrefixAffinity | None) -> str:
+    """routing.lua, with the key's lengths (0: no key) set ahead of it."""
+    chars, tokens = (affinity.chars, affinity.tokens) if affinity else (0, 0)
+    return f"PREFIX_CHARS = {chars}\nPREFIX_TOKENS = {tokens}\n{ROUTING_LUA_FILE.read_text()}"
+
+
+def install_routing_filters(
+    config: dict[str, Any], by_model: bool, affinity: PrefixAffinity | None
+) -> None:
+    """After the transcoder (REST calls are gRPC by then), before the router: read the
+    fields, then set the headers the routes match and hash on."""
+    fields = extracted_fields(by_model, affinity)
+    if not fields:
+        return
+    filters = http_filters(config)
+    after_transcoder = [f["name"] for f in filters].index(TRANSCODER) + 1
+    filters[after_transcoder:after_transcoder] = [
+        {
+            "name": EXTRACTION,
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http."
+                "grpc_field_extraction.v3.GrpcFieldExtractionConfig",
+                "descriptor_set": {"filename": str(DESCRIPTOR_FILE)},
+                "extractions_by_method": {
+                    method: {"request_field_extractions": {name: {} for name in names}}
+                    for method, names in fields.items()
+                },
+            },
+        },
+        {
+            "name": ROUTING_FILTER,
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
+                "default_source_code": {"inline_string": routing_lua(affinity)},
+            },
+        },
+    ]
+
+
+def prefix_cluster(cluster: dict[str, Any], affinity: PrefixAffinity) -> dict[str, Any]:
+    """The same replicas, health checks and outlier detection, balanced by key."""
+    twin = copy.deepcopy(cluster)
+    twin["name"] = f"{cluster['name']}_prefix"
+    twin["load_assignment"]["cluster_name"] = twin["name"]
+    twin["load_balancing_policy"] = {
+        "policies": [
+            {
+                "typed_extension_config": {
+                    "name": "envoy.load_balancing_policies.ring_hash",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies."
+                        "ring_hash.v3.RingHash",
+                        "consistent_hashing_lb_config": {
+                            "hash_balance_factor": affinity.balance_factor
+                        },
+                    },
+                }
+            }
+        ]
+    }
+    return twin
+
+
+def keyed_route(route: dict[str, Any]) -> dict[str, Any]:
+    """The route's calls that carry a key: to its cluster's twin, hashed on the key."""
+    keyed = copy.deepcopy(route)
+    keyed["match"]["headers"] = [
+        *keyed["match"].get("headers", []),
+        {"name": PREFIX_HEADER, "present_match": True},
+    ]
+    keyed["route"]["cluster"] = f"{route['route']['cluster']}_prefix"
+    keyed["route"]["hash_policy"] = [{"header": {"header_name": PREFIX_HEADER}}]
+    return keyed
+
+
+def add_prefix_affinity(config: dict[str, Any], affinity: PrefixAffinity) -> None:
+    """Each cluster of replicas gets a twin balanced by key; each route to one of them is
+    preceded by the same route for calls with a key, to the twin."""
+    originals = replica_clusters(config)
+    config["static_resources"]["clusters"].extend(
+        prefix_cluster(cluster, affinity) for cluster in originals
+    )
+    names = {cluster["name"] for cluster in originals}
+    all_routes = routes(config)
+    all_routes[:] = [
+        keyed
+        for route in all_routes
+        for keyed in (
+            [keyed_route(route), route]
+            if route.get("route", {}).get("cluster") in names
+            else [route]
+        )
+    ]

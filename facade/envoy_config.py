@@ -1,0 +1,37 @@
+"""Where things are in envoy.yaml's structure: the listener's connection manager, its HTTP
+filters and routes, the route of gRPC calls."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+FACADE_DIR = Path(__file__).resolve().parent
+DESCRIPTOR_FILE = FACADE_DIR / "completions.pb"
+TRANSCODER = "envoy.filters.http.grpc_json_transcoder"
+
+
+def connection_manager(config: dict[str, Any]) -> dict[str, Any]:
+    listener = config["static_resources"]["listeners"][0]
+    return listener["filter_chains"][0]["filters"][0]["typed_config"]
+
+
+def http_filters(config: dict[str, Any]) -> list[dict[str, Any]]:
+    return connection_manager(config)["http_filters"]
+
+
+def routes(config: dict[str, Any]) -> list[dict[str, Any]]:
+    return connection_manager(config)["route_config"]["virtual_hosts"][0]["routes"]
+
+
+def filter_config(config: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(f["typed_config"] for f in http_filters(config) if f["name"] == name)
+
+
+def grpc_route(config: dict[str, Any]) -> dict[str, Any]:
+    return next(r for r in routes(config) if "route" in r)
+
+
+def replica_clusters(config: dict[str, Any]) -> list[dict[str, Any]]:
+    """The clusters of replicas (not the aggregate of several pools)."""
+    return [c for c in config["static_resources"]["clusters"] if "load_assignment" in c]

@@ -1,0 +1,229 @@
+"""Prefix-cache affinity through a real Envoy in front of two real replicas (each on a core of
+its own, with a LoRA adapter), Envoy started as `facade.launch` starts it by default:
+requests that share a model and leading prompt land on one replica (REST whole and streamed,
+gRPC, text and token ids), whose prefix cache then serves them; adapters are keyed apart;
+calls without a prompt carry no key; a hot prefix spills to the other replica under load; a
+killed replica's prefixes move to the other without failures. Tests run in file order; the
+last one kills a replica."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+from llmcompletions.v2 import completions_pb2_grpc
+
+from tests.conftest import ENGINE_START_TIMEOUT, SMALL_ENGINE
+from tests.helpers import body, grpc_request
+from tests.processes import TestStack, free_port
+from tests.test_adapters import build_adapter
+
+ADAPTER = "sql"
+KEY_HEADER = "x-prefix-key"
+HOST_HEADER = "x-upstream-host"
+RING_SETTLE_SECONDS = 2.0
+
+
+@dataclass
+class Fleet:
+    replicas: list[TestStack]
+    envoy: subprocess.Popen[bytes]
+    base_url: str
+    grpc_target: str
+    admin_url: str
+
+    def replica_at(self, host: str) -> TestStack:
+        (replica,) = [r for r in self.replicas if r.grpc_target == host]
+        return replica
+
+    def healthy(self) -> set[str]:
+        with urllib.request.urlopen(f"{self.admin_url}/clusters", timeout=5) as reply:
+            lines = reply.read().decode().splitlines()
+        return {
+            line.split("::")[1]
+            for line in lines
+            if line.startswith("completion_service_prefix::") and line.endswith("::healthy")
+        }
+
+
+@pytest.fixture(scope="module")
+def fleet(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    root = tmp_path_factory.mktemp("prefix-routing")
+    adapter = build_adapter(model_dir, root / ADAPTER, seed=5)
+    replicas = [
+        TestStack(
+            grpc_port=free_port(),
+            service_args=[
+                *SMALL_ENGINE,
+                *("--cpu-cores", str(core)),
+                *("--lora-modules", f"{ADAPTER}={adapter}"),
+                *("--metrics-port", str(free_port())),
+            ],
+            service_log=root / f"replica-{core}.log",
+        )
+        for core in range(2)
+    ]
+    http_port, admin_port = free_port(), free_port()
+    command = [sys.executable, "-m", "facade.launch", "--debug-headers"]
+    command += ["--http-port", str(http_port), "--admin-port", str(admin_port)]
+    for replica in replicas:
+        command += ["--upstream", replica.grpc_target]
+    for replica in replicas:
+        replica.start(with_envoy=False)
+    envoy = subprocess.Popen(command)
+    running = Fleet(
+        replicas,
+        envoy,
+        f"http://127.0.0.1:{http_port}",
+        f"127.0.0.1:{http_port}",
+        f"http://127.0.0.1:{admin_port}",
+    )
+    try:
+        for replica in replicas:
+            replica.wait_ready_service(ENGINE_START_TIMEOUT)
+        deadline = time.monotonic() + 60
+        while running.healthy() != {r.grpc_target for r in replicas}:
+            assert time.monotonic() < deadline, "Envoy never saw both replicas healthy"
+            time.sleep(0.5)
+        # Envoy's worker threads receive the new host set (and rebuild the hash ring) shortly
+        # after the admin interface shows it.
+        time.sleep(RING_SETTLE_SECONDS)
+        yield running
+    finally:
+        envoy.terminate()
+        envoy.wait(timeout=30)
+        for replica in replicas:
+            replica.stop()
+
+
+def shared_prefix(label: str) -> str:
+    """A leading part longer than the key's (256 bytes), new to every replica's cache."""
+    return f"[{label} {uuid.uuid4()}] " + " ".join(f"Rule {i}: answer briefly." for i in range(30))
+
+
+def rest_call(fleet: Fleet, **fields: Any) -> tuple[str, dict[str, Any]]:
+    """(the replica that served it, the reply)."""
+    reply = httpx.post(f"{fleet.base_url}/v2/completions", json=body(**fields), timeout=120)
+    assert reply.status_code == 200, reply.text[:300]
+    return reply.headers[HOST_HEADER], reply.json()
+
+
+def rest_stream_host(fleet: Fleet, **fields: Any) -> str:
+    with httpx.stream(
+        "POST", f"{fleet.base_url}/v2/completions", json=body(stream=True, **fields), timeout=120
+    ) as reply:
+        assert reply.status_code == 200
+        assert [line for line in reply.iter_lines() if line][-1] == "data: [DONE]"
+        return reply.headers[HOST_HEADER]
+
+
+def grpc_host(fleet: Fleet, **fields: Any) -> str:
+    with grpc.insecure_channel(fleet.grpc_target) as channel:
+        call = completions_pb2_grpc.CompletionServiceStub(channel).CreateCompletion(
+            grpc_request(**fields), timeout=120
+        )
+        list(call)
+        return dict(call.initial_metadata())[HOST_HEADER]
+
+
+def test_requests_sharing_a_prefix_land_on_one_replica_on_both_surfaces(fleet: Fleet) -> None:
+    spread: set[str] = set()
+    for label in range(8):
+        prefix = shared_prefix(f"doc {label}")
+        hosts = {
+            rest_call(fleet, prompt=f"{prefix} Question A?", max_tokens=2)[0],
+            rest_stream_host(fleet, prompt=f"{prefix} Question B?", max_tokens=2),
+            grpc_host(fleet, prompt=f"{prefix} Question C?", max_tokens=2),
+        }
+        assert len(hosts) == 1, f"prefix {label} went to {hosts}"
+        spread |= hosts
+    # Different prefixes are spread over the pool (8 keys on one replica: 1 chance in 128).
+    assert spread == {replica.grpc_target for replica in fleet.replicas}
+
+
+def test_the_keyed_replica_serves_the_shared_prefix_from_its_cache(fleet: Fleet) -> None:
+    prefix = shared_prefix("cache")
+    first_host, first = rest_call(fleet, prompt=f"{prefix} First?", max_tokens=1)
+    again_host, again = rest_call(fleet, prompt=f"{prefix} Second, longer?", max_tokens=1)
+    assert again_host == first_host
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    # Every full block of the shared part came from the cache.
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0.8 * (
+        first["usage"]["prompt_tokens"] - 8
+    )
+
+
+def test_token_id_prompts_are_keyed_by_their_leading_ids(fleet: Fleet) -> None:
+    for start in range(100, 104):
+        shared = list(range(start, start + 80))
+        hosts = {
+            rest_call(fleet, prompt=[*shared, 7, 8], max_tokens=1)[0],
+            grpc_host(fleet, prompt=[*shared, 9], max_tokens=1),
+            rest_call(fleet, prompt=[[*shared, 10], [11]], max_tokens=1)[0],
+        }
+        assert len(hosts) == 1, hosts
+
+
+def key_of(fleet: Fleet, **fields: Any) -> str:
+    reply = httpx.post(f"{fleet.base_url}/v2/completions", json=body(**fields), timeout=120)
+    assert reply.status_code == 200, reply.text[:300]
+    return reply.headers[KEY_HEADER]
+
+
+def test_adapters_of_a_pool_are_keyed_apart(fleet: Fleet) -> None:
+    prompt = shared_prefix("adapters")
+    base = {key_of(fleet, prompt=prompt, max_tokens=1) for _ in range(2)}
+    adapter = {key_of(fleet, model=ADAPTER, prompt=prompt, max_tokens=1) for _ in range(2)}
+    assert len(base) == len(adapter) == 1 and base != adapter
+
+
+def test_calls_without_a_prompt_carry_no_key(fleet: Fleet) -> None:
+    listed = httpx.get(f"{fleet.base_url}/v2/models", timeout=30)
+    assert listed.status_code == 200
+    assert listed.headers.get(KEY_HEADER, "-") in ("", "-")
+    long_name = httpx.post(
+        f"{fleet.base_url}/v2/completions",
+        json={"model": "m" * 100_000, "prompt": "Hi", "max_tokens": 1},
+        timeout=30,
+    )
+    assert long_name.status_code == 404  # answered by a replica, not refused for its headers
+
+
+def test_a_hot_prefix_spills_to_the_other_replica_under_load(fleet: Fleet) -> None:
+    prefix = shared_prefix("hot")
+    with ThreadPoolExecutor(8) as pool:
+        hosts = list(
+            pool.map(
+                lambda i: rest_stream_host(
+                    fleet, prompt=f"{prefix} Caller {i}:", max_tokens=48, ignore_eos=True
+                ),
+                range(8),
+            )
+        )
+    counts = {host: hosts.count(host) for host in set(hosts)}
+    assert len(counts) == 2, f"no spill: {counts}"
+    assert max(counts.values()) > min(counts.values()), f"affinity lost: {counts}"
+
+
+def test_a_killed_replicas_prefixes_move_to_the_other_without_failures(fleet: Fleet) -> None:
+    prefix = shared_prefix("moved")
+    host, _ = rest_call(fleet, prompt=f"{prefix} Before?", max_tokens=1)
+    victim = fleet.replica_at(host)
+    victim.processes[0].send_signal(signal.SIGKILL)
+    victim.processes[0].wait(timeout=30)
+    time.sleep(1)
+    after = [rest_call(fleet, prompt=f"{prefix} After {i}?", max_tokens=1)[0] for i in range(5)]
+    (survivor,) = [r.grpc_target for r in fleet.replicas if r is not victim]
+    assert after == [survivor] * 5

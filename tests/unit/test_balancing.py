@@ -1,0 +1,118 @@
+"""The facade's balancing within a pool, as Envoy configuration: completions keyed by model and
+leading prompt go to a twin cluster hashed on the key with bounded load; everything else stays
+on least request."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from facade import balancing, envoy_config, launch
+from facade.balancing import PREFIX_HEADER, PrefixAffinity
+from facade.pools import Pool
+
+AFFINITY = PrefixAffinity(chars=100, tokens=10, balance_factor=125)
+
+
+def configured(pools: list[Pool], affinity: PrefixAffinity | None) -> dict[str, Any]:
+    config = launch.render_config(8080, 9901, [("127.0.0.1", 50051)])
+    launch.configure_routing(config, pools, "", affinity)
+    return config
+
+
+def clusters(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {cluster["name"]: cluster for cluster in config["static_resources"]["clusters"]}
+
+
+def policy(cluster: dict[str, Any]) -> dict[str, Any]:
+    (chosen,) = cluster["load_balancing_policy"]["policies"]
+    return chosen["typed_extension_config"]
+
+
+def test_one_pool_gets_a_twin_hashed_on_the_key_with_bounded_load() -> None:
+    found = clusters(configured([], AFFINITY))
+    assert set(found) == {"completion_service", "completion_service_prefix"}
+    assert policy(found["completion_service"])["name"].endswith("least_request")
+    twin = policy(found["completion_service_prefix"])
+    assert twin["name"] == "envoy.load_balancing_policies.ring_hash"
+    assert twin["typed_config"]["consistent_hashing_lb_config"]["hash_balance_factor"] == 125
+    for kept in ("health_checks", "outlier_detection", "load_assignment"):
+        original, copied = (
+            found["completion_service"][kept],
+            found["completion_service_prefix"][kept],
+        )
+        if kept == "load_assignment":
+            assert copied["endpoints"] == original["endpoints"]
+        else:
+            assert copied == original
+
+
+def test_keyed_calls_take_the_twin_and_the_rest_least_request() -> None:
+    grpc_routes = [r for r in envoy_config.routes(configured([], AFFINITY)) if "route" in r]
+    keyed, plain = grpc_routes
+    assert {"name": PREFIX_HEADER, "present_match": True} in keyed["match"]["headers"]
+    assert keyed["route"]["cluster"] == "completion_service_prefix"
+    assert keyed["route"]["hash_policy"] == [{"header": {"header_name": PREFIX_HEADER}}]
+    assert plain["route"]["cluster"] == "completion_service"
+    # Retries, timeouts and the reply limit as for any call.
+    assert keyed["route"]["retry_policy"] == plain["route"]["retry_policy"]
+
+
+def test_each_pool_is_keyed_within_itself() -> None:
+    pools = [Pool("a", (("127.0.0.1", 1),), ("a", "a-sql")), Pool("b", (("127.0.0.1", 2),), ("b",))]
+    config = configured(pools, AFFINITY)
+    assert {"pool_a_prefix", "pool_b_prefix"} <= set(clusters(config))
+    for route in (r for r in envoy_config.routes(config) if "route" in r):
+        keyed = any(h["name"] == PREFIX_HEADER for h in route["match"].get("headers", []))
+        cluster = route["route"]["cluster"]
+        assert keyed == cluster.endswith("_prefix"), route
+
+
+def test_least_request_adds_no_key_and_no_twin() -> None:
+    config = configured([], None)
+    assert set(clusters(config)) == {"completion_service"}
+    names = [f["name"] for f in envoy_config.http_filters(config)]
+    assert balancing.EXTRACTION not in names and balancing.ROUTING_FILTER not in names
+
+
+def test_envoy_reads_the_model_and_prompt_of_completions_only() -> None:
+    fields = balancing.extracted_fields(by_model=False, affinity=AFFINITY)
+    assert fields == {balancing.CREATE_COMPLETION: ["model", *balancing.PROMPT_FIELDS]}
+    with_pools = balancing.extracted_fields(by_model=True, affinity=AFFINITY)
+    assert with_pools[balancing.CREATE_COMPLETION] == fields[balancing.CREATE_COMPLETION]
+    assert all(names == ["model"] for method, names in with_pools.items() if "Create" not in method)
+
+
+@pytest.mark.parametrize(("affinity", "chars", "tokens"), [(AFFINITY, 100, 10), (None, 0, 0)])
+def test_the_key_lengths_reach_the_lua_filter(
+    affinity: PrefixAffinity | None, chars: int, tokens: int
+) -> None:
+    source = balancing.routing_lua(affinity)
+    assert source.startswith(f"PREFIX_CHARS = {chars}\nPREFIX_TOKENS = {tokens}\n")
+    assert "function envoy_on_request" in source
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        ([], PrefixAffinity()),
+        (["--balance", "least-request"], None),
+        (["--prefix-chars", "64", "--balance-factor", "200"], PrefixAffinity(64, 64, 200)),
+    ],
+)
+def test_balance_options(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], expected: PrefixAffinity | None
+) -> None:
+    for name in ("BALANCE", "PREFIX_CHARS", "PREFIX_TOKENS", "BALANCE_FACTOR"):
+        monkeypatch.delenv(name, raising=False)
+    parser = launch.argparse.ArgumentParser()
+    launch.add_balance_options(parser)
+    assert launch.affinity_from(parser.parse_args(argv)) == expected
+
+
+def test_a_balance_factor_below_100_is_refused() -> None:
+    parser = launch.argparse.ArgumentParser()
+    launch.add_balance_options(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--balance-factor", "99"])
