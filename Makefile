@@ -5,6 +5,7 @@
 # make bench   the serving benchmark against vLLM's OpenAI server (BENCHMARKS.md), then:
 # make bench-frontend  serving CPU per token, ours against vLLM's, on a tiny model
 # make profile CPU per generated token of each server and serving-path option, then bench-frontend
+# make bench-routing  two replicas behind Envoy: prefix affinity against least request
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -16,7 +17,7 @@ STAMP := $(VENV)/.installed-$(ENGINE)
 # The unit layer; --confcutdir keeps tests/conftest.py (it starts the engine and Envoy) unloaded.
 UNIT_TESTS := tests/unit --confcutdir=tests/unit
 
-.PHONY: install serve test unit proto lint bench profile bench-frontend
+.PHONY: install serve test unit proto lint bench profile bench-frontend bench-routing
 
 install: $(STAMP)
 
@@ -58,6 +59,11 @@ profile: install
 # FRONTEND_ARGS=--rounds N).
 bench-frontend: install
 	$(BIN)/python -m bench.profile --frontend-heavy $(FRONTEND_ARGS)
+
+# Two replicas on their own cores, prefix affinity against least request over three workloads,
+# 3 rounds interleaved (about 15 minutes; ROUTING_ARGS=--rounds N); bench/results/routing.*.
+bench-routing: install
+	$(BIN)/python -m bench.routing $(ROUTING_ARGS)
 
 proto: install
 	$(BIN)/python proto/generate.py

@@ -1,0 +1,404 @@
+"""The routing benchmark (`make bench-routing`): two replicas on one host, each on a core of its
+own, prefix caching on, behind two Envoys started as `facade.launch` starts them, one with
+`--balance prefix` (the default) and one with `--balance least-request`. Three workloads run
+through both, interleaved over rounds; every run draws prefixes no replica has seen, so no run
+inherits another's cache.
+
+- S1 cache pressure: 8 shared prefixes of about 1,000 tokens, short unique suffixes, short
+  outputs; one replica's KV cache cannot hold every prefix, two can.
+- S2 control: 2 shared prefixes; every replica's cache holds them all.
+- S3 hot prefix: one prefix in 80% of requests, four others in the rest.
+
+Reported per run: TTFT p50/p90 (streamed, to the first event), output throughput, each
+replica's prefix-cache hit rate (the engine's own counters) and share of requests; medians over
+rounds, and the targets. Results in bench/results/routing.{json,md,png}.
+
+Usage: python -m bench.routing [--rounds N] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from service.model.default_model import DEFAULT_SERVED_MODEL_NAME, prepare_default_model
+from tests.metrics import scrape
+from tests.processes import TestStack, free_port
+
+RESULTS = Path(__file__).parent / "results"
+POLICIES = ("least-request", "prefix")
+# About 4.7 prefixes of 1,000 tokens per replica (46 KiB a token): 8 do not fit in one, do in two.
+KV_CACHE_GIB = 0.21
+MAX_MODEL_LEN = 2048
+START_TIMEOUT = 900
+PREFIX_TOKENS = 1000
+SUFFIX_WORDS = 8
+OUTPUT_TOKENS = 8
+WORD_TEXT = (
+    "river stone lantern meadow copper signal harbor orchard velvet summit canyon ember glacier "
+    "mosaic pillar quartz saddle thistle violet willow anchor beacon cobalt dune falcon garnet "
+    "hollow island jasper kettle lagoon marble nectar opal pepper quiver raven saffron timber "
+    "umber vessel walnut yarrow zephyr"
+)
+WORDS = WORD_TEXT.split()
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    prefixes: int
+    requests: int
+    concurrency: int
+    hot_share: float = 0.0  # the share of requests that use the first prefix
+
+
+WORKLOADS = (
+    Workload("S1 cache pressure", prefixes=8, requests=64, concurrency=4),
+    Workload("S2 control", prefixes=2, requests=32, concurrency=4),
+    Workload("S3 hot prefix", prefixes=5, requests=64, concurrency=6, hot_share=0.8),
+)
+
+
+@dataclass
+class Fleet:
+    replicas: list[TestStack]
+    metrics_urls: list[str]
+    envoys: dict[str, subprocess.Popen[bytes]]
+    base_urls: dict[str, str]
+
+
+def words(rng: random.Random, count: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(count))
+
+
+def prefix_text(rng: random.Random, tokenizer: PreTrainedTokenizerBase) -> str:
+    """About PREFIX_TOKENS tokens of words (a document, few-shot examples, a system prompt)."""
+    text = f"Document {rng.randrange(10**9)}: "
+    while len(tokenizer(text)["input_ids"]) < PREFIX_TOKENS:
+        text += words(rng, 50) + ". "
+    return text
+
+
+def prompts(
+    workload: Workload, rng: random.Random, tokenizer: PreTrainedTokenizerBase
+) -> list[str]:
+    shared = [prefix_text(rng, tokenizer) for _ in range(workload.prefixes)]
+    chosen = []
+    for _ in range(workload.requests):
+        if workload.hot_share and rng.random() < workload.hot_share:
+            prefix = shared[0]
+        else:
+            prefix = rng.choice(shared[1:] if workload.hot_share else shared)
+        chosen.append(f"{prefix}\nQuestion: {words(rng, SUFFIX_WORDS)}?")
+    return chosen
+
+
+async def one_request(
+    client: httpx.AsyncClient, prompt: str, gate: asyncio.Semaphore
+) -> tuple[float, int]:
+    """(time to the first streamed event, completion tokens)."""
+    payload = {
+        "model": DEFAULT_SERVED_MODEL_NAME,
+        "prompt": prompt,
+        "max_tokens": OUTPUT_TOKENS,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    async with gate:
+        started = time.perf_counter()
+        first = None
+        tokens = 0
+        async with client.stream("POST", "/v2/completions", json=payload) as reply:
+            reply.raise_for_status()
+            async for line in reply.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                first = first or time.perf_counter() - started
+                chunk = json.loads(line.removeprefix("data: "))
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+        return first or 0.0, tokens
+
+
+async def load(base_url: str, chosen: list[str], concurrency: int) -> dict[str, Any]:
+    gate = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
+        started = time.perf_counter()
+        results = await asyncio.gather(*(one_request(client, p, gate) for p in chosen))
+        elapsed = time.perf_counter() - started
+    ttfts = sorted(ttft for ttft, _ in results)
+    return {
+        "ttft_p50": statistics.median(ttfts),
+        "ttft_p90": ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))],
+        "output_throughput": sum(tokens for _, tokens in results) / elapsed,
+        "seconds": elapsed,
+    }
+
+
+def total(snapshot: dict[tuple[str, Any], float], name: str, **labels: str) -> float:
+    wanted = set(labels.items())
+    return sum(v for (n, ls), v in snapshot.items() if n == name and wanted <= set(ls))
+
+
+def replica_counters(url: str) -> dict[str, float]:
+    snapshot = scrape(url)
+    return {
+        "queries": total(snapshot, "vllm:prefix_cache_queries_total"),
+        "hits": total(snapshot, "vllm:prefix_cache_hits_total"),
+        "requests": total(
+            snapshot, "llmcompletions_requests_total", method="CreateCompletion", code="OK"
+        ),
+    }
+
+
+def per_replica(before: list[dict[str, float]], after: list[dict[str, float]]) -> dict:
+    grew = [{key: a[key] - b[key] for key in a} for b, a in zip(before, after, strict=True)]
+    requests = sum(g["requests"] for g in grew) or 1
+    queries = sum(g["queries"] for g in grew) or 1
+    return {
+        "hit_rate": sum(g["hits"] for g in grew) / queries,
+        "replica_hit_rates": [g["hits"] / g["queries"] if g["queries"] else 0.0 for g in grew],
+        "replica_shares": [g["requests"] / requests for g in grew],
+    }
+
+
+def run_once(fleet: Fleet, policy: str, workload: Workload, chosen: list[str]) -> dict:
+    before = [replica_counters(url) for url in fleet.metrics_urls]
+    measured = asyncio.run(load(fleet.base_urls[policy], chosen, workload.concurrency))
+    after = [replica_counters(url) for url in fleet.metrics_urls]
+    return {**measured, **per_replica(before, after)}
+
+
+def envoy_healthy(admin_port: int, hosts: set[str]) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/clusters", timeout=5) as r:
+            lines = r.read().decode().splitlines()
+    except OSError:
+        return False
+    healthy = {line.split("::")[1] for line in lines if line.endswith("::healthy")}
+    return hosts <= healthy
+
+
+@contextmanager
+def fleet_running(model_dir: Path, log_dir: Path, balance_args: list[str]) -> Iterator[Fleet]:
+    metrics_ports = [free_port(), free_port()]
+    replicas = [
+        TestStack(
+            grpc_port=free_port(),
+            service_args=[
+                *("--model", str(model_dir), "--served-model-name", DEFAULT_SERVED_MODEL_NAME),
+                *("--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-gib", str(KV_CACHE_GIB)),
+                *("--cpu-cores", str(core), "--metrics-port", str(metrics_ports[core])),
+                *("--max-in-flight", "64", "--max-waiting", "256"),
+            ],
+            service_log=log_dir / f"replica-{core}.log",
+        )
+        for core in range(2)
+    ]
+    envoys: dict[str, subprocess.Popen[bytes]] = {}
+    base_urls: dict[str, str] = {}
+    admin_ports: dict[str, int] = {}
+    try:
+        for replica in replicas:
+            replica.start(with_envoy=False)
+        for policy in POLICIES:
+            http_port, admin_ports[policy] = free_port(), free_port()
+            command = [sys.executable, "-m", "facade.launch", "--balance", policy]
+            if policy == "prefix":
+                command += balance_args
+            command += ["--http-port", str(http_port), "--admin-port", str(admin_ports[policy])]
+            for replica in replicas:
+                command += ["--upstream", replica.grpc_target]
+            envoys[policy] = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+            base_urls[policy] = f"http://127.0.0.1:{http_port}"
+        for replica in replicas:
+            replica.wait_ready_service(START_TIMEOUT)
+        hosts = {replica.grpc_target for replica in replicas}
+        deadline = time.monotonic() + 60
+        while not all(envoy_healthy(port, hosts) for port in admin_ports.values()):
+            if time.monotonic() > deadline:
+                raise RuntimeError("Envoy never saw both replicas healthy")
+            time.sleep(0.5)
+        time.sleep(2)  # Envoy's workers get the host set (and hash ring) just after
+        urls = [f"http://127.0.0.1:{port}/metrics" for port in metrics_ports]
+        yield Fleet(replicas, urls, envoys, base_urls)
+    finally:
+        for envoy in envoys.values():
+            envoy.terminate()
+            envoy.wait(timeout=30)
+        for replica in replicas:
+            replica.stop()
+
+
+def median_of(runs: list[dict], key: str) -> float:
+    return statistics.median(run[key] for run in runs)
+
+
+def summary(results: dict[str, dict[str, list[dict]]]) -> dict[str, dict[str, dict]]:
+    """Medians over rounds, per workload and policy."""
+    keys = ("ttft_p50", "ttft_p90", "output_throughput", "hit_rate")
+    table: dict[str, dict[str, dict]] = {}
+    for workload, by_policy in results.items():
+        table[workload] = {}
+        for policy, runs in by_policy.items():
+            row = {key: median_of(runs, key) for key in keys}
+            row["min_replica_share"] = statistics.median(min(r["replica_shares"]) for r in runs)
+            row["replica_hit_rates"] = [
+                statistics.median(r["replica_hit_rates"][i] for r in runs) for i in range(2)
+            ]
+            row["replica_shares"] = [
+                statistics.median(r["replica_shares"][i] for r in runs) for i in range(2)
+            ]
+            table[workload][policy] = row
+    return table
+
+
+def targets(table: dict[str, dict[str, dict]]) -> list[dict[str, Any]]:
+    """Each target, the measured value beside it, and whether it is met."""
+    s1, s2, s3 = (table[w.name] for w in WORKLOADS)
+
+    def ratio(rows: dict[str, dict], key: str) -> float:
+        return rows["prefix"][key] / rows["least-request"][key]
+
+    checks: list[tuple[str, float, Callable[[float], bool]]] = [
+        ("S1 hit rate, prefix / least-request (>= 2)", ratio(s1, "hit_rate"), lambda v: v >= 2),
+        ("S1 TTFT p50, prefix / least-request (<= 0.5)", ratio(s1, "ttft_p50"), lambda v: v <= 0.5),
+        (
+            "S2 TTFT p50, prefix / least-request (<= 1.05)",
+            ratio(s2, "ttft_p50"),
+            lambda v: v <= 1.05,
+        ),
+        (
+            "S2 output throughput, prefix / least-request (>= 0.95)",
+            ratio(s2, "output_throughput"),
+            lambda v: v >= 0.95,
+        ),
+        ("S3 TTFT p90, prefix / least-request (<= 1)", ratio(s3, "ttft_p90"), lambda v: v <= 1),
+        (
+            "S3 smallest replica share with prefix (> 0: no replica idle)",
+            s3["prefix"]["min_replica_share"],
+            lambda v: v > 0,
+        ),
+    ]
+    return [
+        {"target": name, "measured": round(value, 3), "met": bool(check(value))}
+        for name, value, check in checks
+    ]
+
+
+def markdown(table: dict[str, dict[str, dict]], met: list[dict[str, Any]], rounds: int) -> str:
+    lines = [
+        f"# Routing: prefix affinity against least request ({rounds} rounds, medians)",
+        "",
+        "| workload | policy | TTFT p50 s | TTFT p90 s | output tok/s | hit rate | per replica "
+        "hit rate | per replica share |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for workload, by_policy in table.items():
+        for policy, row in by_policy.items():
+            lines.append(
+                f"| {workload} | {policy} | {row['ttft_p50']:.2f} | {row['ttft_p90']:.2f} | "
+                f"{row['output_throughput']:.1f} | {row['hit_rate']:.0%} | "
+                + " / ".join(f"{rate:.0%}" for rate in row["replica_hit_rates"])
+                + " | "
+                + " / ".join(f"{share:.0%}" for share in row["replica_shares"])
+                + " |"
+            )
+    lines += ["", "| target | measured | met |", "|---|---|---|"]
+    lines += [f"| {t['target']} | {t['measured']} | {'yes' if t['met'] else 'no'} |" for t in met]
+    return "\n".join(lines) + "\n"
+
+
+def plot(path: Path, table: dict[str, dict[str, dict]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(table)
+    figure, (ttft, hits) = plt.subplots(1, 2, figsize=(10, 4))
+    width = 0.35
+    for offset, policy in enumerate(POLICIES):
+        xs = [i + offset * width for i in range(len(names))]
+        ttft.bar(xs, [table[n][policy]["ttft_p50"] for n in names], width, label=policy)
+        hits.bar(xs, [table[n][policy]["hit_rate"] for n in names], width, label=policy)
+    for axis, label in ((ttft, "TTFT p50 (s)"), (hits, "prefix-cache hit rate")):
+        axis.set_xticks([i + width / 2 for i in range(len(names))], names, fontsize=8)
+        axis.set_ylabel(label)
+        axis.legend()
+    figure.suptitle("Two replicas, one core each: prefix affinity against least request")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--balance-factor", help="the prefix Envoy's load bound (default: facade.launch's)"
+    )
+    args = parser.parse_args()
+    balance_args = ["--balance-factor", args.balance_factor] if args.balance_factor else []
+    args.out.mkdir(parents=True, exist_ok=True)
+    model_dir = prepare_default_model()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    results: dict[str, dict[str, list[dict]]] = {
+        w.name: {p: [] for p in POLICIES} for w in WORKLOADS
+    }
+    with fleet_running(model_dir, args.out, balance_args) as fleet:
+        for round_index in range(args.rounds):
+            for workload in WORKLOADS:
+                # Which policy goes first alternates by round; each run has prefixes of its own.
+                order = POLICIES if round_index % 2 == 0 else POLICIES[::-1]
+                for policy in order:
+                    rng = random.Random(f"{round_index}/{workload.name}/{policy}")
+                    run = run_once(fleet, policy, workload, prompts(workload, rng, tokenizer))
+                    results[workload.name][policy].append(run)
+                    print(
+                        f"round {round_index + 1}/{args.rounds} {workload.name} {policy}: "
+                        f"TTFT p50 {run['ttft_p50']:.2f}s p90 {run['ttft_p90']:.2f}s, "
+                        f"{run['output_throughput']:.1f} tok/s, hit rate {run['hit_rate']:.0%}, "
+                        f"shares {[round(s, 2) for s in run['replica_shares']]}",
+                        flush=True,
+                    )
+    table = summary(results)
+    met = targets(table)
+    document = {
+        "settings": {
+            "kv_cache_gib": KV_CACHE_GIB,
+            "prefix_tokens": PREFIX_TOKENS,
+            "output_tokens": OUTPUT_TOKENS,
+            "workloads": [asdict(w) for w in WORKLOADS],
+            "rounds": args.rounds,
+            "prefix_balance_args": balance_args,
+        },
+        "runs": results,
+        "medians": table,
+        "targets": met,
+    }
+    (args.out / "routing.json").write_text(json.dumps(document, indent=2))
+    (args.out / "routing.md").write_text(markdown(table, met, args.rounds))
+    plot(args.out / "routing.png", table)
+    print(markdown(table, met, args.rounds))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""bench/routing.py's arithmetic: hit rates and shares from the replicas' counters, medians over
+rounds, the targets, and the workloads' prompts (no engine, no Envoy)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from bench import routing
+
+
+class WordCount:
+    """A tokenizer stand-in: one token a word."""
+
+    def __call__(self, text: str) -> dict[str, list[int]]:
+        return {"input_ids": [0] * len(text.split())}
+
+
+def counters(queries: float, hits: float, requests: float) -> dict[str, float]:
+    return {"queries": queries, "hits": hits, "requests": requests}
+
+
+def test_hit_rates_and_shares_come_from_what_each_replica_counted() -> None:
+    before = [counters(100, 50, 10), counters(0, 0, 0)]
+    after = [counters(1100, 950, 40), counters(1000, 100, 10)]
+    measured = routing.per_replica(before, after)
+    assert measured["hit_rate"] == pytest.approx(1000 / 2000)
+    assert measured["replica_hit_rates"] == [pytest.approx(0.9), pytest.approx(0.1)]
+    assert measured["replica_shares"] == [pytest.approx(0.75), pytest.approx(0.25)]
+
+
+def run(ttft: float, hit_rate: float, throughput: float = 10.0) -> dict:
+    return {
+        "ttft_p50": ttft,
+        "ttft_p90": 2 * ttft,
+        "output_throughput": throughput,
+        "hit_rate": hit_rate,
+        "replica_hit_rates": [hit_rate, hit_rate],
+        "replica_shares": [0.6, 0.4],
+    }
+
+
+def results(prefix: dict, least: dict) -> dict:
+    return {
+        w.name: {"least-request": [least] * 3, "prefix": [prefix] * 3} for w in routing.WORKLOADS
+    }
+
+
+def test_the_targets_compare_prefix_with_least_request() -> None:
+    met = routing.targets(routing.summary(results(run(0.5, 0.9), run(2.0, 0.3))))
+    assert all(t["met"] for t in met), met
+    hit_ratio, ttft_ratio = (t["measured"] for t in met[:2])
+    assert (hit_ratio, ttft_ratio) == (3.0, 0.25)
+    missed = routing.targets(routing.summary(results(run(2.0, 0.3), run(1.0, 0.3))))
+    assert [t["met"] for t in missed] == [False, False, False, True, False, True]
+
+
+def test_medians_over_rounds() -> None:
+    table = routing.summary(
+        {
+            "w": {
+                policy: [run(1.0, 0.1), run(3.0, 0.5), run(2.0, 0.9)] for policy in routing.POLICIES
+            }
+        }
+    )
+    assert table["w"]["prefix"]["ttft_p50"] == 2.0
+    assert table["w"]["prefix"]["hit_rate"] == 0.5
+    assert table["w"]["prefix"]["min_replica_share"] == 0.4
+
+
+def test_each_prompt_is_a_shared_prefix_and_a_suffix_of_its_own() -> None:
+    workload = routing.Workload("w", prefixes=3, requests=30, concurrency=2)
+    chosen = routing.prompts(workload, random.Random(1), WordCount())
+    prefixes = {prompt.split("\nQuestion:")[0] for prompt in chosen}
+    assert len(prefixes) == 3
+    assert all(len(prefix.split()) >= routing.PREFIX_TOKENS for prefix in prefixes)
+    assert len(set(chosen)) == len(chosen)
+
+
+def test_a_hot_prefix_takes_its_share() -> None:
+    workload = routing.Workload("hot", prefixes=5, requests=400, concurrency=2, hot_share=0.8)
+    chosen = routing.prompts(workload, random.Random(2), WordCount())
+    heads = [prompt.split("\nQuestion:")[0] for prompt in chosen]
+    hottest = max(set(heads), key=heads.count)
+    assert 0.75 < heads.count(hottest) / len(heads) < 0.85
