@@ -339,6 +339,7 @@ def plot(path: Path, table: dict[str, dict[str, dict]]) -> None:
         xs = [i + offset * width for i in range(len(names))]
         ttft.bar(xs, [table[n][policy]["ttft_p50"] for n in names], width, label=policy)
         hits.bar(xs, [table[n][policy]["hit_rate"] for n in names], width, label=policy)
+    hits.set_ylim(0, 1.25)  # room for the legend above the bars
     for axis, label in ((ttft, "TTFT p50 (s)"), (hits, "prefix-cache hit rate")):
         axis.set_xticks([i + width / 2 for i in range(len(names))], names, fontsize=8)
         axis.set_ylabel(label)
