@@ -176,6 +176,15 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     )
     add_option(
         parser,
+        "--scheduling-policy",
+        "SCHEDULING_POLICY",
+        defaults["scheduling_policy"],
+        "the order waiting requests run in: fcfs (arrival) or priority (a request's "
+        "`priority`, lower first; with fcfs a non-zero priority is refused)",
+        one_of("fcfs", "priority"),
+    )
+    add_option(
+        parser,
         "--tensor-parallel-size",
         "TENSOR_PARALLEL_SIZE",
         defaults["tensor_parallel_size"],
@@ -466,6 +475,7 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
         pipeline_parallel_size=args.pipeline_parallel_size,
         data_parallel_size=args.data_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
+        scheduling_policy=args.scheduling_policy,
         cpu_cores=args.cpu_cores or (),
         gpu_devices=args.gpu_devices,
         lora_modules=tuple(args.lora_modules),

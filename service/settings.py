@@ -35,6 +35,9 @@ class EngineSettings:
     # the devices it sees (None: all).
     cpu_cores: tuple[int, ...] = ()
     gpu_devices: str | None = None
+    # The order waiting requests run in: "fcfs" (arrival) or "priority" (a request's
+    # `priority`, lower first).
+    scheduling_policy: str = "fcfs"
     # LoRA adapters on the base model, each served under its own name (none: LoRA off).
     lora_modules: tuple[LoraModule, ...] = ()
     max_loras: int = 1  # adapters in one batch

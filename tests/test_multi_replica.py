@@ -57,6 +57,8 @@ LONG_TOKENS = 240
 KILL_SETTLE = 3.0  # "a few seconds later"
 POLL = 0.2
 SERVING = health_pb2.HealthCheckResponse.SERVING
+# Envoy's clusters of the replicas: least request, and its twin balanced by prefix.
+REPLICA_CLUSTERS = ("completion_service", "completion_service_prefix")
 
 
 def health_check_pace() -> float:
@@ -316,7 +318,9 @@ class Watcher:
             return False
 
     def hosts(self) -> dict[str, dict[str, str]]:
-        """Envoy admin /clusters: each upstream host's stats and health flags."""
+        """Envoy admin /clusters: each upstream host's requests, summed over the clusters of
+        replicas (least request, and its twin balanced by prefix), and its health flags
+        ("healthy" only when every cluster sees it healthy)."""
         try:
             text = httpx.get(f"{self.admin_url}/clusters", timeout=2).text
         except httpx.HTTPError:
@@ -324,8 +328,14 @@ class Watcher:
         hosts: dict[str, dict[str, str]] = {}
         for line in text.splitlines():
             parts = line.split("::")
-            if len(parts) == 4 and parts[0] == "completion_service":
-                hosts.setdefault(parts[1], {})[parts[2]] = parts[3]
+            if len(parts) != 4 or parts[0] not in REPLICA_CLUSTERS:
+                continue
+            view = hosts.setdefault(parts[1], {})
+            name, value = parts[2], parts[3]
+            if name in ("rq_total", "rq_active"):
+                view[name] = str(int(view.get(name, "0")) + int(value))
+            elif name == "health_flags":
+                view[name] = value if view.get(name, value) == value else "mixed"
         return hosts
 
     def wait_for(

@@ -1,5 +1,6 @@
 """A second service, watched from start to stop: health transitions, JSON logs with prompts,
-and `add_special_tokens` on a model whose tokenizer adds a BOS token.
+`add_special_tokens` on a model whose tokenizer adds a BOS token, and priority scheduling (it
+runs with `--scheduling-policy priority` and one sequence at a time).
 
 The default model's tokenizer adds no special tokens, so this service serves a variant of it
 (the same weights; a tokenizer that prepends <|endoftext|>). Tests run in file order; the last
@@ -103,6 +104,9 @@ def service(
             "--metrics-port",
             str(free_port()),
             "--log-prompts",
+            *("--scheduling-policy", "priority"),
+            # One sequence at a time: a long request makes the others queue.
+            *("--engine-args", '{"max_num_seqs": 1}'),
             # The drain ends when the stream in flight ends; the grace only bounds a stuck one.
             "--shutdown-grace",
             "60",
@@ -161,6 +165,31 @@ def test_json_request_log_lines_carry_prompts_when_asked(service: LifecycleServi
     assert last["completion_tokens"] == 3
     assert "Logged prompt" in last["prompts"][0]
     assert last["output"] == result.choices[0].text
+
+
+def test_a_high_priority_request_runs_before_a_low_priority_one_queued_first(
+    service: LifecycleService,
+) -> None:
+    busy = service.stub.CreateCompletion(
+        grpc_request(model=BOS_MODEL, prompt="Count:", max_tokens=80, ignore_eos=True, stream=True),
+        timeout=120,
+    )
+    next(busy)  # the engine's one sequence slot is taken
+    finished: dict[str, float] = {}
+
+    def run(name: str, priority: int) -> None:
+        grpc_complete(service.stub, model=BOS_MODEL, prompt=name, max_tokens=4, priority=priority)
+        finished[name] = time.monotonic()
+
+    low = threading.Thread(target=run, args=("low", 10))
+    low.start()
+    time.sleep(1.0)  # queued well before the high-priority one arrives
+    high = threading.Thread(target=run, args=("high", -10))
+    high.start()
+    list(busy)
+    for thread in (low, high):
+        thread.join(timeout=120)
+    assert finished["high"] < finished["low"], finished
 
 
 def test_sigterm_drains_streams_in_flight_then_exits_cleanly(service: LifecycleService) -> None:

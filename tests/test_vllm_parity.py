@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -130,3 +131,110 @@ def test_greedy_logprobs_equal_vllm_openai_server(
     ours = complete(rest, **{k: v for k, v in request.items() if k not in ("model", "temperature")})
     assert ours["choices"][0]["text"] == theirs["choices"][0]["text"]
     assert_logprobs_close(ours["choices"][0]["logprobs"], theirs["choices"][0]["logprobs"])
+
+
+# ---- vLLM's completion extras: the same answers as vLLM's own server
+
+STORY = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
+
+
+def theirs(vllm_server: str, **fields: Any) -> dict[str, Any]:
+    request = {"model": MODEL, "temperature": 0, **fields}
+    reply = httpx.post(f"{vllm_server}/v1/completions", json=request, timeout=120)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def both(rest: httpx.Client, vllm_server: str, **fields: Any) -> tuple[dict, dict]:
+    """(our choice, vLLM's choice) and the usages, for the same greedy request."""
+    ours = complete(rest, **fields)
+    other = theirs(vllm_server, **fields)
+    assert ours["usage"]["prompt_tokens"] == other["usage"]["prompt_tokens"]
+    return ours["choices"][0], other["choices"][0]
+
+
+def test_token_ids_equal_vllms(rest: httpx.Client, vllm_server: str) -> None:
+    ours, other = both(
+        rest, vllm_server, prompt=CAPITAL_PROMPT, max_tokens=12, return_token_ids=True
+    )
+    assert ours["token_ids"] == other["token_ids"] and len(ours["token_ids"]) > 0
+    assert ours["prompt_token_ids"] == other["prompt_token_ids"]
+
+
+def test_prompt_logprobs_equal_vllms(rest: httpx.Client, vllm_server: str) -> None:
+    ours, other = both(rest, vllm_server, prompt=STORY, max_tokens=1, prompt_logprobs=2)
+    mine, reference = ours["prompt_logprobs"], other["prompt_logprobs"]
+    assert len(mine) == len(reference) > 5 and mine[0] is None and reference[0] is None
+    for step, expected in zip(mine[1:], reference[1:], strict=True):
+        assert step.keys() == expected.keys()
+        for token_id, entry in step.items():
+            assert entry["logprob"] == pytest.approx(
+                expected[token_id]["logprob"], abs=LOGPROB_TOLERANCE
+            )
+            assert entry["rank"] == expected[token_id]["rank"]
+            assert entry["decoded_token"] == expected[token_id]["decoded_token"]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"stop": ["."]},  # a stop string: the string
+        {"stop_token_ids": [13], "min_tokens": 2},  # a stop token: its id
+        {"logit_bias": {str(END_TOKEN_ID): 100}},  # the end of sequence: null
+        {"max_tokens": 2},  # the length limit: null
+    ],
+    ids=["stop string", "stop token", "eos", "length"],
+)
+def test_stop_reason_equals_vllms(
+    rest: httpx.Client,
+    vllm_server: str,
+    fields: dict,
+) -> None:
+    request = {"prompt": CAPITAL_PROMPT, "max_tokens": 24, **fields}
+    ours, other = both(rest, vllm_server, **request)
+    assert ours["finish_reason"] == other["finish_reason"]
+    assert ours["stop_reason"] == other["stop_reason"]
+    assert ours["text"] == other["text"]
+
+
+@pytest.mark.parametrize("side", ["left", "right", None])
+@pytest.mark.parametrize("keep", [5, 12])
+def test_truncation_equals_vllms(
+    rest: httpx.Client,
+    vllm_server: str,
+    side: str | None,
+    keep: int,
+) -> None:
+    fields: dict[str, Any] = {"prompt": STORY, "max_tokens": 8, "truncate_prompt_tokens": keep}
+    if side is not None:
+        fields["truncation_side"] = side
+    ours, other = both(rest, vllm_server, **fields)
+    assert ours["text"] == other["text"]
+    assert complete(rest, **fields)["usage"]["prompt_tokens"] == keep
+
+
+def test_logprob_tokens_as_token_ids_equal_vllms(
+    rest: httpx.Client,
+    vllm_server: str,
+) -> None:
+    fields = {"prompt": CAPITAL_PROMPT, "max_tokens": 6, "logprobs": 2}
+    ours, other = both(rest, vllm_server, return_tokens_as_token_ids=True, **fields)
+    assert ours["logprobs"]["tokens"] == other["logprobs"]["tokens"]
+    assert all(token.startswith("token_id:") for token in ours["logprobs"]["tokens"])
+    assert [set(top) for top in ours["logprobs"]["top_logprobs"]] == [
+        set(top) for top in other["logprobs"]["top_logprobs"]
+    ]
+
+
+def test_allowed_token_ids_equal_vllms(rest: httpx.Client, vllm_server: str) -> None:
+    allowed = [504, 3575, 314, 2114]
+    ours, other = both(
+        rest,
+        vllm_server,
+        prompt=CAPITAL_PROMPT,
+        max_tokens=6,
+        allowed_token_ids=allowed,
+        return_token_ids=True,
+    )
+    assert ours["token_ids"] == other["token_ids"]
+    assert set(ours["token_ids"]) <= set(allowed)

@@ -33,6 +33,7 @@ class BeamSearchSettings:
     skip_special_tokens: bool = True
     logprobs: int = 0  # the most likely alternatives each returned token shows
     prompt_logprobs: int | None = None  # echo with logprobs: the prompt's, as for sampling
+    priority: int = 0  # the scheduling priority of every step's engine requests
 
     @property
     def expansions(self) -> int:
@@ -98,6 +99,7 @@ async def next_steps(
     request_id: str,
     params: SamplingParams,
     adapter: LoRARequest | None = None,
+    priority: int = 0,
 ) -> list[RequestOutput]:
     """Each beam's one-token engine request, run together (with the request's adapter, if
     any); their final outputs."""
@@ -109,6 +111,7 @@ async def next_steps(
                     params,
                     f"{request_id}-{index}",
                     lora_request=adapter,
+                    priority=priority,
                 )
             )
             for index, beam in enumerate(beams)
@@ -158,7 +161,13 @@ async def beam_search(
     for length in range(1, settings.max_tokens + 1):
         params = step_params(settings, first=length == 1)
         outputs = await next_steps(
-            engine, prompt_ids, running, f"{request_id}-{length}", params, adapter
+            engine,
+            prompt_ids,
+            running,
+            f"{request_id}-{length}",
+            params,
+            adapter,
+            settings.priority,
         )
         if length == 1:
             prompt_logprobs = outputs[0].prompt_logprobs

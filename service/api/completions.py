@@ -24,9 +24,11 @@ from service.api.errors import (
     EngineUnavailableError,
     FieldViolation,
     InternalError,
+    PriorityNotEnabledError,
     RequestValidationError,
+    TruncationTooLongError,
 )
-from service.api.prompts import PreparedPrompt, prepare_prompts
+from service.api.prompts import PreparedPrompt, prepare_prompts, truncated
 from service.api.responses import (
     ChoicePlan,
     EngineSlot,
@@ -75,6 +77,8 @@ class CompletionHandler:
         prompts = validate_request(
             request, self.model.vocab_size, self.model.structured_outputs_backend, self.limits
         )
+        if request.priority and self.model.scheduling_policy != "priority":
+            raise PriorityNotEnabledError(request.priority)
         adapter = self.model.catalog.resolve(request.model)
         add_special_tokens = (
             request.add_special_tokens if request.HasField("add_special_tokens") else True
@@ -83,6 +87,8 @@ class CompletionHandler:
         prepared = await asyncio.get_running_loop().run_in_executor(
             self.tokenizing, prepare_prompts, prompts, self.model.tokenizer, add_special_tokens
         )
+        if request.HasField("truncate_prompt_tokens"):
+            prepared = self.truncate(request, prepared)
         check_prompt_tokens(prepared, self.limits.max_prompt_tokens)
         self.check_context_length(prepared, requested_max_tokens(request))
         header = ResponseHeader.new(request.model, self.model.system_fingerprint)
@@ -93,7 +99,9 @@ class CompletionHandler:
             request, f"{record.request_id}-{header.id[-8:]}", len(prepared)
         )
         try:
-            results = self.generate(prepared, slots, adapter, constraint_field(request))
+            results = self.generate(
+                prepared, slots, adapter, constraint_field(request), request.priority
+            )
             if request.stream:
                 assembler = StreamAssembler(header, plan)
                 async for slot, result in results:
@@ -110,6 +118,20 @@ class CompletionHandler:
                 yield response
         finally:
             await self.model.engine.abort([slot.request_id for slot in slots])  # no-op if done
+
+    def truncate(
+        self, request: CreateCompletionRequest, prompts: list[PreparedPrompt]
+    ) -> list[PreparedPrompt]:
+        """The prompts cut as truncate_prompt_tokens and truncation_side ask; -1 keeps what
+        leaves room for max_tokens in the context."""
+        max_model_len = self.model.max_model_len
+        keep = request.truncate_prompt_tokens
+        if keep == -1:
+            keep = max(max_model_len - requested_max_tokens(request), 1)
+        elif keep > max_model_len:
+            raise TruncationTooLongError(keep, max_model_len)
+        side = request.truncation_side or getattr(self.model.tokenizer, "truncation_side", "right")
+        return truncated(prompts, keep, side, self.model.tokenizer)
 
     def check_context_length(self, prompts: Sequence[PreparedPrompt], max_tokens: int) -> None:
         for prompt in prompts:
@@ -151,10 +173,12 @@ class CompletionHandler:
         slots: Sequence[EngineSlot],
         adapter: LoRARequest | None,
         constraint: str | None,
+        priority: int,
     ) -> AsyncIterator[tuple[EngineSlot, RequestOutput]]:
         """Each engine request's outputs, interleaved as they come, engine errors translated."""
         generators = [
-            self.run(prompts[slot.prompt_index].token_ids, slot, adapter) for slot in slots
+            self.run(prompts[slot.prompt_index].token_ids, slot, adapter, priority)
+            for slot in slots
         ]
         outputs = merge_async_iterators(*generators)
         try:
@@ -178,7 +202,11 @@ class CompletionHandler:
             raise InternalError(f"The engine rejected the request: {error}") from error
 
     def run(
-        self, prompt_ids: list[int], slot: EngineSlot, adapter: LoRARequest | None
+        self,
+        prompt_ids: list[int],
+        slot: EngineSlot,
+        adapter: LoRARequest | None,
+        priority: int,
     ) -> AsyncIterator[RequestOutput]:
         if isinstance(slot.params, BeamSearchSettings):
             return self.beams(prompt_ids, slot.request_id, slot.params, adapter)
@@ -187,6 +215,7 @@ class CompletionHandler:
             slot.params,
             slot.request_id,
             lora_request=adapter,
+            priority=priority,
         )
 
     async def beams(
@@ -214,6 +243,9 @@ def choice_plan(
         keep_generated=requested_max_tokens(request) > 0,
         logprobs=requested_logprobs(request),
         tokenizer=tokenizer,
+        return_token_ids=request.return_token_ids,
+        tokens_as_ids=request.return_tokens_as_token_ids,
+        prompt_logprobs=request.HasField("prompt_logprobs"),
     )
 
 

@@ -170,6 +170,31 @@ class ContextLengthError(CompletionError):
         )
 
 
+class TruncationTooLongError(CompletionError):
+    """truncate_prompt_tokens asks to keep more than the context holds."""
+
+    grpc_code = grpc.StatusCode.OUT_OF_RANGE
+
+    def __init__(self, keep: int, max_model_len: int) -> None:
+        super().__init__(
+            f"truncate_prompt_tokens={keep} is more than this model's maximum context length "
+            f"({max_model_len} tokens). Ask for fewer, or -1 to keep what fits."
+        )
+
+
+class PriorityNotEnabledError(CompletionError):
+    """A priority asked of a server that schedules first come, first served."""
+
+    grpc_code = grpc.StatusCode.FAILED_PRECONDITION
+
+    def __init__(self, priority: int) -> None:
+        super().__init__(
+            f"priority {priority} needs a server started with --scheduling-policy priority "
+            "(SCHEDULING_POLICY=priority); this one serves requests first come, first served. "
+            "Leave priority out, or 0."
+        )
+
+
 class ReplyTooLargeError(CompletionError):
     """A well-formed request whose whole reply is larger than the surface can carry."""
 

@@ -109,3 +109,18 @@ def prepare_prompts(
             token_ids = list(prompt.token_ids or ())
             prepared.append(PreparedPrompt(token_ids=token_ids, text=tokenizer.decode(token_ids)))
     return prepared
+
+
+def truncated(
+    prompts: list[PreparedPrompt], keep: int, side: str, tokenizer: TokenizerLike
+) -> list[PreparedPrompt]:
+    """Each prompt cut to `keep` tokens: its last ones (`left`) or its first (`right`), its
+    text then decoded from what was kept."""
+    cut = []
+    for prompt in prompts:
+        if len(prompt.token_ids) <= keep:
+            cut.append(prompt)
+            continue
+        token_ids = prompt.token_ids[-keep:] if side == "left" else prompt.token_ids[:keep]
+        cut.append(PreparedPrompt(token_ids=token_ids, text=tokenizer.decode(token_ids)))
+    return cut

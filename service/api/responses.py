@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from google.protobuf import struct_pb2
 from llmcompletions.v2.completions_pb2 import (
     Choice,
     CreateCompletionResponse,
@@ -22,7 +23,7 @@ from vllm.tokenizers import TokenizerLike
 
 from service.api.beam_search import BeamSearchSettings
 from service.api.errors import CompletionError, utc_timestamp
-from service.api.logprobs import StepLogprobs, next_offset, token_logprobs
+from service.api.logprobs import StepLogprobs, next_offset, prompt_logprobs, token_logprobs
 from service.api.prompts import PreparedPrompt
 from service.transport.rest_bridge import http_status
 
@@ -98,6 +99,9 @@ class ChoicePlan:
     keep_generated: bool
     logprobs: int | None
     tokenizer: TokenizerLike
+    return_token_ids: bool = False  # each choice's token ids and its prompt's
+    tokens_as_ids: bool = False  # logprobs' tokens as "token_id:N"
+    prompt_logprobs: bool = False  # each choice's prompt_logprobs
 
     def index(self, slot: EngineSlot, output: CompletionOutput) -> int:
         return slot.prompt_index * self.n + slot.first_choice + output.index
@@ -140,10 +144,37 @@ class ChoicePlan:
         if self.logprobs is not None:
             choice.logprobs.CopyFrom(
                 token_logprobs(
-                    content.token_ids, content.steps, self.logprobs, self.tokenizer, text_offset
+                    content.token_ids,
+                    content.steps,
+                    self.logprobs,
+                    self.tokenizer,
+                    text_offset,
+                    self.tokens_as_ids,
                 )
             )
         return choice
+
+    def add_details(
+        self,
+        choice: Choice,
+        slot: EngineSlot,
+        result: RequestOutput,
+        output: CompletionOutput,
+        first: bool,
+    ) -> None:
+        """What vLLM's extras ask for: why the choice stopped (with its finish reason), the
+        token ids of the output and (on a choice's first message) of the prompt, and the
+        prompt's log-probabilities."""
+        if choice.HasField("finish_reason"):
+            set_stop_reason(choice.stop_reason, output.stop_reason if self.keep_generated else None)
+        if self.return_token_ids:
+            choice.token_ids.extend(list(output.token_ids) if self.keep_generated else [])
+            if first:
+                choice.prompt_token_ids.extend(self.prompts[slot.prompt_index].token_ids)
+        if self.prompt_logprobs and first:
+            choice.prompt_logprobs.CopyFrom(
+                prompt_logprobs(result.prompt_logprobs or [], self.tokenizer)
+            )
 
 
 @dataclass(frozen=True)
@@ -153,6 +184,16 @@ class SlotOutput:
     slot: EngineSlot
     result: RequestOutput
     output: CompletionOutput
+
+
+def set_stop_reason(value: struct_pb2.Value, reason: int | str | None) -> None:
+    """vLLM's stop_reason: the stop string or stop token id that matched, else null."""
+    if isinstance(reason, str):
+        value.string_value = reason
+    elif isinstance(reason, int):
+        value.number_value = reason
+    else:
+        value.null_value = struct_pb2.NULL_VALUE
 
 
 def mean_logprob(output: CompletionOutput) -> float:
@@ -204,7 +245,9 @@ def whole_response(
         for position, item in enumerate(plan.select(outputs)):
             content = plan.content(item.slot, item.result, item.output, with_prompt=plan.echo)
             index = prompt_index * plan.n + position
-            choices.append(plan.choice(index, content, plan.finish_reason(item.output), 0))
+            choice = plan.choice(index, content, plan.finish_reason(item.output), 0)
+            plan.add_details(choice, item.slot, item.result, item.output, first=True)
+            choices.append(choice)
     return header.message(choices, usage(plan.prompt_tokens(), completion_tokens, cached.total))
 
 
@@ -214,7 +257,7 @@ class StreamAssembler:
 
     header: ResponseHeader
     plan: ChoicePlan
-    echo_sent: set[int] = field(default_factory=set)
+    started: set[int] = field(default_factory=set)  # choices that have sent a chunk
     text_offsets: dict[int, int] = field(default_factory=dict)
     completion_tokens: int = 0
     cached: CachedTokens = field(default_factory=CachedTokens)
@@ -231,15 +274,16 @@ class StreamAssembler:
         self, slot: EngineSlot, result: RequestOutput, output: CompletionOutput
     ) -> CreateCompletionResponse | None:
         index = self.plan.index(slot, output)
-        with_prompt = self.plan.echo and index not in self.echo_sent
-        self.echo_sent.add(index)
-        content = self.plan.content(slot, result, output, with_prompt)
+        first = index not in self.started
+        content = self.plan.content(slot, result, output, with_prompt=self.plan.echo and first)
         self.completion_tokens += content.generated_tokens
         finish_reason = self.plan.finish_reason(output)
         if not content.token_ids and finish_reason is None:
             return None  # nothing a caller could see
+        self.started.add(index)
         offset = self.text_offsets.get(index, 0)
         choice = self.plan.choice(index, content, finish_reason, offset)
+        self.plan.add_details(choice, slot, result, output, first)
         self.text_offsets[index] = next_offset(choice.logprobs, offset)
         return self.header.message([choice])
 

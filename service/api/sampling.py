@@ -76,8 +76,10 @@ def requested_logprobs(request: CreateCompletionRequest) -> int | None:
 
 
 def prompt_logprobs(request: CreateCompletionRequest) -> int | None:
-    """Log-probabilities per prompt token, asked of the engine for echo with logprobs (the
-    response shows them for the echoed prompt)."""
+    """Log-probabilities per prompt token: as `prompt_logprobs` asks, else for echo with
+    logprobs (the response shows them for the echoed prompt), as vLLM's server does."""
+    if request.HasField("prompt_logprobs"):
+        return request.prompt_logprobs
     return requested_logprobs(request) if request.echo else None
 
 
@@ -117,6 +119,8 @@ def sampling_params(
         params["stop_token_ids"] = list(request.stop_token_ids)
     if request.logit_bias:
         params["logit_bias"] = dict(request.logit_bias)
+    if request.allowed_token_ids:
+        params["allowed_token_ids"] = list(request.allowed_token_ids)
     constraint = structured_outputs(request)
     if constraint is not None:
         params["structured_outputs"] = constraint
@@ -154,4 +158,5 @@ def beam_search_settings(request: CreateCompletionRequest) -> BeamSearchSettings
         ),
         logprobs=requested_logprobs(request) or 0,
         prompt_logprobs=prompt_logprobs(request),
+        priority=request.priority,
     )

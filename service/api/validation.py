@@ -22,6 +22,7 @@ from service.api.sampling import requested_max_tokens
 from service.settings import RequestLimits
 
 MAX_STOP_STRINGS = 4
+TRUNCATION_SIDES = ("left", "right")
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 EARLY_STOPPING_WORD = "never"
@@ -93,6 +94,7 @@ def validate_request(
     check_backend(request, structured_outputs_backend, found)
     check_sizes(request, len(prompts), limits, found)
     check_streaming(request, found)
+    check_extras(request, vocab_size, found)
     if request.HasField("suffix") and request.suffix:
         found.add(("suffix",), "suffix is not supported: this server does not insert text")
     if found.items:
@@ -208,6 +210,31 @@ def check_token_ids(request: CreateCompletionRequest, vocab_size: int, found: Vi
                 f"logit_bias values must be {describe_range(*LOGIT_BIAS_RANGE)}, got {bias:g}",
                 broken,
             )
+
+
+def check_extras(request: CreateCompletionRequest, vocab_size: int, found: Violations) -> None:
+    """vLLM's completion extras beyond the numeric ranges the proto declares."""
+    if request.HasField("truncate_prompt_tokens") and request.truncate_prompt_tokens == 0:
+        found.add(
+            ("truncate_prompt_tokens",),
+            "truncate_prompt_tokens must be at least 1, or -1 for the model's context length, "
+            "got 0",
+        )
+    if request.HasField("truncation_side") and request.truncation_side not in TRUNCATION_SIDES:
+        found.add(
+            ("truncation_side",),
+            f"truncation_side must be left or right, got {quote(request.truncation_side)}",
+            "literal_error",
+        )
+    if request.HasField("prompt_logprobs"):
+        if request.stream:
+            found.add(("prompt_logprobs",), "prompt_logprobs cannot be streamed")
+        if request.use_beam_search:
+            found.add(("prompt_logprobs",), "prompt_logprobs are not available with beam search")
+    for index, token_id in enumerate(request.allowed_token_ids):
+        problem = token_id_problem(token_id, vocab_size)
+        if problem:
+            found.add(("allowed_token_ids", index), f"allowed_token_ids: {problem}")
 
 
 def check_early_stopping(request: CreateCompletionRequest, found: Violations) -> None:

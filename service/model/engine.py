@@ -47,6 +47,7 @@ class ServedModel:
     # Files the engine reads while it runs (the base model's stand-in adapter), removed after.
     scratch: tempfile.TemporaryDirectory[str]
     eos_token_ids: tuple[int, ...] = ()
+    scheduling_policy: str = "fcfs"  # "priority": requests' `priority` orders the queue
 
 
 def resolve_dtype(dtype: str) -> str:
@@ -88,6 +89,7 @@ def engine_args(
         "structured_outputs_config": StructuredOutputsConfig(
             backend=settings.structured_outputs_backend
         ),
+        "scheduling_policy": settings.scheduling_policy,
     }
     args.update(
         tensor_parallel_size=settings.tensor_parallel_size,
@@ -164,6 +166,7 @@ def start_engine(settings: EngineSettings) -> ServedModel:
         catalog=catalog,
         scratch=scratch,
         eos_token_ids=eos_token_ids(engine),
+        scheduling_policy=engine.vllm_config.scheduler_config.policy,
     )
     logger.info(
         "engine ready: max_model_len=%d vocab_size=%d adapters=%s base_adapter=%s",

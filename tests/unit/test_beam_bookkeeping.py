@@ -40,6 +40,7 @@ class FakeEngine:
     def __init__(self) -> None:
         self.calls: list[tuple[list[int], SamplingParams, str]] = []
         self.adapters: list[LoRARequest | None] = []
+        self.priorities: list[int] = []
 
     async def generate(
         self,
@@ -47,10 +48,12 @@ class FakeEngine:
         params: SamplingParams,
         request_id: str,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         token_ids = list(prompt["prompt_token_ids"])
         self.calls.append((token_ids, params, request_id))
         self.adapters.append(lora_request)
+        self.priorities.append(priority)
         await asyncio.sleep(0)
         ranked = sorted(
             TABLE.get(tuple(token_ids[len(PROMPT) :]), ELSEWHERE).items(),
@@ -329,3 +332,8 @@ def test_every_step_runs_with_the_requests_adapter() -> None:
     assert all(used is adapter for used in engine.adapters)
     _, engine = run(BeamSearchSettings(width=2, returned=2, max_tokens=3))
     assert set(engine.adapters) == {None}
+
+
+def test_every_step_runs_with_the_requests_priority() -> None:
+    _, engine = run(BeamSearchSettings(width=2, returned=2, max_tokens=3, priority=-4))
+    assert len(engine.priorities) > 1 and set(engine.priorities) == {-4}

@@ -74,6 +74,9 @@ LIMITS: list[tuple[str, float, float, str]] = [
     ("n", 128, 129, "less_than_equal"),
     ("logprobs", 0, -1, "greater_than_equal"),
     ("logprobs", 5, 6, "less_than_equal"),
+    ("prompt_logprobs", 0, -1, "greater_than_equal"),
+    ("prompt_logprobs", 5, 6, "less_than_equal"),
+    ("truncate_prompt_tokens", -1, -2, "greater_than_equal"),
 ]
 
 
@@ -87,7 +90,8 @@ def test_numeric_limit_on_both_sides(field: str, inside: float, outside: float, 
 
 
 def test_every_ranged_field_is_covered_here() -> None:
-    assert {field for field, *_ in LIMITS} | {"length_penalty"} == set(NUMERIC_RANGES)
+    unbounded = {"length_penalty"}  # any finite number
+    assert {field for field, *_ in LIMITS} | unbounded == set(NUMERIC_RANGES)
 
 
 @pytest.mark.parametrize(
@@ -531,3 +535,47 @@ def test_max_constraint_bytes_covers_the_whitespace_pattern() -> None:
     assert refused(guided_json=SCHEMA, guided_whitespace_pattern=" " * 65537) == [
         (("guided_whitespace_pattern",), "too_long")
     ]
+
+
+# ---- vLLM's completion extras
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({"truncate_prompt_tokens": 0}, [(("truncate_prompt_tokens",), "value_error")]),
+        ({"truncation_side": "middle"}, [(("truncation_side",), "literal_error")]),
+        ({"prompt_logprobs": 1, "stream": True}, [(("prompt_logprobs",), "value_error")]),
+        (
+            {"prompt_logprobs": 1, "use_beam_search": True, "n": 2},
+            [(("prompt_logprobs",), "value_error")],
+        ),
+        (
+            {"allowed_token_ids": [5, VOCAB_SIZE, -1]},
+            [(("allowed_token_ids", 1), "value_error"), (("allowed_token_ids", 2), "value_error")],
+        ),
+    ],
+)
+def test_bad_extras_are_refused_naming_the_field(fields: dict, expected: list) -> None:
+    assert refused(**fields) == expected
+
+
+def test_the_extras_vllm_accepts_pass() -> None:
+    assert validate(
+        make_request(
+            return_token_ids=True,
+            return_tokens_as_token_ids=True,
+            prompt_logprobs=2,
+            truncate_prompt_tokens=-1,
+            truncation_side="right",
+            priority=-3,
+            allowed_token_ids=[0, VOCAB_SIZE - 1],
+        )
+    )
+
+
+def test_truncation_messages_say_what_is_allowed() -> None:
+    (zero,) = violations(make_request(truncate_prompt_tokens=0))
+    assert "at least 1, or -1" in zero.msg
+    (side,) = violations(make_request(truncation_side="up"))
+    assert "left" in side.msg and "right" in side.msg

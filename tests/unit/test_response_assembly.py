@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from datetime import datetime
 
+import pytest
 from google.protobuf import json_format
 from llmcompletions.v2.completions_pb2 import CreateCompletionResponse
 from unit_fakes import (
@@ -15,7 +16,7 @@ from unit_fakes import (
     logprob_step,
     request_output,
 )
-from vllm.logprobs import FlatLogprobs
+from vllm.logprobs import FlatLogprobs, Logprob
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 
@@ -46,6 +47,7 @@ def plan(
     echo: bool = False,
     keep_generated: bool = True,
     logprobs: int | None = None,
+    **extras: bool,
 ) -> ChoicePlan:
     return ChoicePlan(
         prompts=prompts or [CAPITAL],
@@ -55,6 +57,7 @@ def plan(
         keep_generated=keep_generated,
         logprobs=logprobs,
         tokenizer=FakeTokenizer(),
+        **extras,
     )
 
 
@@ -91,7 +94,7 @@ def test_one_prompt_one_choice() -> None:
         "created": 1_700_000_000,
         "model": "smollm2-135m-instruct",
         "system_fingerprint": "fp_0123",
-        "choices": [{"index": 0, "text": " Paris.", "finish_reason": "stop"}],
+        "choices": [{"index": 0, "text": " Paris.", "finish_reason": "stop", "stop_reason": None}],
         "usage": {
             "prompt_tokens": 5,
             "completion_tokens": 2,
@@ -388,3 +391,81 @@ def test_a_finished_choice_that_was_cut_at_eos_keeps_its_reason() -> None:
     response = whole_response(HEADER, plan(), [(slot(), result)])
     assert texts(response) == [(0, " Paris", "stop")]
     assert response.usage.completion_tokens == 2
+
+
+# ---- vLLM's extras: stop_reason, token ids, prompt log-probabilities
+
+
+@pytest.mark.parametrize(
+    ("finish_reason", "stop_reason", "expected"),
+    [("stop", None, None), ("stop", "\n", "\n"), ("stop", 13, 13), ("length", None, None)],
+)
+def test_stop_reason_says_what_ended_a_choice(
+    finish_reason: str, stop_reason: int | str | None, expected: int | str | None
+) -> None:
+    output = completion_output([7], finish_reason=finish_reason, stop_reason=stop_reason)
+    response = whole_response(HEADER, plan(), [(slot(), request_output([output]))])
+    assert as_json(response)["choices"][0]["stop_reason"] == expected
+
+
+def test_stop_reason_comes_with_a_streamed_choices_last_chunk_only() -> None:
+    assembler = StreamAssembler(HEADER, plan())
+    chunks = stream(
+        assembler,
+        (slot(), delta([7], finish_reason=None)),
+        (slot(), request_output([completion_output([8], finish_reason="stop", stop_reason=13)])),
+    )
+    assert "stop_reason" not in chunks[0]["choices"][0]
+    assert chunks[1]["choices"][0]["stop_reason"] == 13
+
+
+def test_token_ids_of_the_output_and_of_the_prompt() -> None:
+    result = request_output([completion_output([7, 8])])
+    response = whole_response(HEADER, plan(echo=True, return_token_ids=True), [(slot(), result)])
+    (choice,) = as_json(response)["choices"]
+    assert choice["token_ids"] == [7, 8]  # generated only, also with echo
+    assert choice["prompt_token_ids"] == CAPITAL.token_ids
+    plain = whole_response(HEADER, plan(), [(slot(), result)])
+    assert "token_ids" not in as_json(plain)["choices"][0]
+
+
+def test_streamed_token_ids_are_deltas_and_the_prompts_come_first() -> None:
+    assembler = StreamAssembler(HEADER, plan(return_token_ids=True))
+    chunks = stream(
+        assembler,
+        (slot(), delta([], finish_reason=None)),  # an empty first delta sends nothing
+        (slot(), delta([7], finish_reason=None)),
+        (slot(), delta([8], finish_reason="length")),
+    )
+    assert [c["choices"][0]["token_ids"] for c in chunks] == [[7], [8]]
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == CAPITAL.token_ids
+    assert "prompt_token_ids" not in chunks[1]["choices"][0]
+
+
+def test_prompt_logprobs_in_vllms_shape() -> None:
+    steps = [None, {3: Logprob(-1.5, rank=2, decoded_token=" capital"), 9: Logprob(-0.2, 1, "x")}]
+    result = request_output(
+        [completion_output([7])], prompt_token_ids=[2, 3], prompt_logprobs=steps
+    )
+    response = whole_response(
+        HEADER,
+        plan([PreparedPrompt([2, 3], "The capital")], prompt_logprobs=True),
+        [(slot(), result)],
+    )
+    assert as_json(response)["choices"][0]["prompt_logprobs"] == [
+        None,
+        {
+            "3": {"logprob": -1.5, "rank": 2, "decoded_token": " capital"},
+            "9": {"logprob": -0.2, "rank": 1, "decoded_token": "x"},
+        },
+    ]
+
+
+def test_logprob_tokens_as_token_ids() -> None:
+    step = {7: Logprob(-0.1, rank=1, decoded_token=" Paris"), 9: Logprob(-2.0, 2, " Lyon")}
+    result = request_output([completion_output([7], logprobs=[step])])
+    response = whole_response(HEADER, plan(logprobs=1, tokens_as_ids=True), [(slot(), result)])
+    logprobs = as_json(response)["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == ["token_id:7"]
+    assert set(logprobs["top_logprobs"][0]) == {"token_id:7", "token_id:9"}
+    assert logprobs["text_offset"] == [0]

@@ -297,3 +297,14 @@ def test_every_sequence_seed_fits_vllms_range(n: int) -> None:
         assert engine_seed(seed, n) + n - 1 < 2**64
         assert params(engine_n=n, seed=seed, temperature=1.0).seed == engine_seed(seed, n)
     assert engine_seed(-1, n) == 2**63 and engine_seed(INT64_MIN, n) == 2**64 - n
+
+
+def test_prompt_logprobs_as_asked_win_over_echos() -> None:
+    assert params(prompt_logprobs=2).prompt_logprobs == 2
+    assert params(prompt_logprobs=0, echo=True, logprobs=3).prompt_logprobs == 0
+    assert params(echo=True, logprobs=3).prompt_logprobs == 3
+
+
+def test_allowed_token_ids_reach_vllm() -> None:
+    assert params(allowed_token_ids=[3, 7]).allowed_token_ids == [3, 7]
+    assert params().allowed_token_ids is None

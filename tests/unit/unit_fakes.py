@@ -91,6 +91,7 @@ def completion_output(
     logprobs: list[dict[int, Logprob]] | None = None,
     cumulative_logprob: float | None = None,
     text: str | None = None,
+    stop_reason: int | str | None = None,
 ) -> CompletionOutput:
     return CompletionOutput(
         index=index,
@@ -99,6 +100,7 @@ def completion_output(
         cumulative_logprob=cumulative_logprob,
         logprobs=logprobs,
         finish_reason=finish_reason,
+        stop_reason=stop_reason,
     )
 
 
