@@ -115,7 +115,9 @@ def test_grpcurl_works_through_envoy_as_against_the_service(stack: TestStack) ->
     listed = grpcurl(through_envoy, "list")
     assert listed.returncode == 0, listed.stderr
     assert "llmcompletions.v2.CompletionService" in listed.stdout.split()
-    payload = json.dumps({"model": MODEL, "prompt": CAPITAL_PROMPT, "max_tokens": 4})
+    payload = json.dumps(
+        {"model": MODEL, "prompt": CAPITAL_PROMPT, "max_tokens": 4, "ignore_eos": True}
+    )
     called = grpcurl(
         through_envoy,
         "llmcompletions.v2.CompletionService/CreateCompletion",
