@@ -143,6 +143,16 @@ def prefix_cluster(cluster: dict[str, Any], affinity: PrefixAffinity) -> dict[st
     return twin
 
 
+# A retry after a failed connection must not land on the same replica. The ring tries the
+# entries after the key's one by one, several of which can belong to the failed replica (one key
+# in eight failed all three default tries, with two replicas). And bounded load prefers the
+# replica with the fewest requests in flight, which a replica that just died always is, until
+# outlier detection ejects it after 5 failed connections: keyed calls get enough retries for
+# that (a request sent 0.07 s after a replica's SIGKILL failed with 2).
+KEYED_HOST_SELECTION_ATTEMPTS = 16
+KEYED_RETRIES = 5
+
+
 def keyed_route(route: dict[str, Any]) -> dict[str, Any]:
     """The route's calls that carry a key: to its cluster's twin, hashed on the key."""
     keyed = copy.deepcopy(route)
@@ -152,6 +162,10 @@ def keyed_route(route: dict[str, Any]) -> dict[str, Any]:
     ]
     keyed["route"]["cluster"] = f"{route['route']['cluster']}_prefix"
     keyed["route"]["hash_policy"] = [{"header": {"header_name": PREFIX_HEADER}}]
+    retries = keyed["route"].get("retry_policy")
+    if retries is not None:
+        retries["host_selection_retry_max_attempts"] = KEYED_HOST_SELECTION_ATTEMPTS
+        retries["num_retries"] = KEYED_RETRIES
     return keyed
 
 

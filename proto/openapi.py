@@ -57,6 +57,23 @@ VALUE_FIELDS: dict[str, JsonSchema] = {
         "type": ["array", "null"],
         "items": {"type": "string"},
     },
+    "Choice.stop_reason": {"type": ["string", "integer", "null"]},
+    "Choice.token_ids": {**TOKEN_IDS, "type": ["array", "null"]},
+    "Choice.prompt_token_ids": {**TOKEN_IDS, "type": ["array", "null"]},
+    "Choice.prompt_logprobs": {
+        "type": ["array", "null"],
+        "items": {
+            "type": ["object", "null"],
+            "additionalProperties": {
+                "type": "object",
+                "properties": {
+                    "logprob": {"type": "number"},
+                    "rank": {"type": ["integer", "null"]},
+                    "decoded_token": {"type": ["string", "null"]},
+                },
+            },
+        },
+    },
     "Logprobs.token_logprobs": {"type": "array", "items": {"type": ["number", "null"]}},
     "Logprobs.top_logprobs": {
         "type": "array",

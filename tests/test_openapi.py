@@ -47,8 +47,16 @@ def test_real_responses_match_the_document(rest: httpx.Client) -> None:
         rest, prompt=[CAPITAL_PROMPT, "Hi"], n=2, max_tokens=3, logprobs=2, echo=True, temperature=1
     )
     response_schema.validate(whole)
+    extras = complete(
+        rest, prompt=CAPITAL_PROMPT, max_tokens=3, return_token_ids=True, prompt_logprobs=1
+    )
+    response_schema.validate(extras)
     for chunk in stream_chunks(
-        rest, prompt=CAPITAL_PROMPT, max_tokens=3, stream_options={"include_usage": True}
+        rest,
+        prompt=CAPITAL_PROMPT,
+        max_tokens=3,
+        return_token_ids=True,
+        stream_options={"include_usage": True},
     ):
         response_schema.validate(chunk)
     errors = rest.post("/v2/completions", json={"prompt": "Hi", "temperature": 9}).json()

@@ -55,8 +55,16 @@ def test_keyed_calls_take_the_twin_and_the_rest_least_request() -> None:
     assert keyed["route"]["cluster"] == "completion_service_prefix"
     assert keyed["route"]["hash_policy"] == [{"header": {"header_name": PREFIX_HEADER}}]
     assert plain["route"]["cluster"] == "completion_service"
-    # Retries, timeouts and the reply limit as for any call.
-    assert keyed["route"]["retry_policy"] == plain["route"]["retry_policy"]
+    # Retries, timeouts and the reply limit as for any call; a retry tries more ring entries
+    # for a replica other than the one that failed.
+    keyed_retries, plain_retries = keyed["route"]["retry_policy"], plain["route"]["retry_policy"]
+    assert keyed_retries["host_selection_retry_max_attempts"] > 3
+    # ...and enough retries for outlier detection (5 failed connections) to eject a dead one.
+    assert keyed_retries["num_retries"] >= 5
+    tuned = ("host_selection_retry_max_attempts", "num_retries")
+    assert {k: v for k, v in keyed_retries.items() if k not in tuned} == {
+        k: v for k, v in plain_retries.items() if k not in tuned
+    }
 
 
 def test_each_pool_is_keyed_within_itself() -> None:
