@@ -26,7 +26,6 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -38,10 +37,12 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from service.model.default_model import DEFAULT_SERVED_MODEL_NAME, prepare_default_model
 from tests.metrics import scrape
-from tests.processes import TestStack, free_port
+from tests.processes import TestStack, free_port, healthy_upstreams
 
 RESULTS = Path(__file__).parent / "results"
 POLICIES = ("least-request", "prefix")
+# The cluster each policy's completions go to (facade/balancing.py).
+POLICY_CLUSTERS = {"least-request": "completion_service", "prefix": "completion_service_prefix"}
 # About 4.7 prefixes of 1,000 tokens per replica (46 KiB a token): 8 do not fit in one, do in two.
 KV_CACHE_GIB = 0.21
 MAX_MODEL_LEN = 2048
@@ -186,16 +187,6 @@ def run_once(fleet: Fleet, policy: str, workload: Workload, chosen: list[str]) -
     return {**measured, **per_replica(before, after)}
 
 
-def envoy_healthy(admin_port: int, hosts: set[str]) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/clusters", timeout=5) as r:
-            lines = r.read().decode().splitlines()
-    except OSError:
-        return False
-    healthy = {line.split("::")[1] for line in lines if line.endswith("::healthy")}
-    return hosts <= healthy
-
-
 @contextmanager
 def fleet_running(model_dir: Path, log_dir: Path, balance_args: list[str]) -> Iterator[Fleet]:
     metrics_ports = [free_port(), free_port()]
@@ -232,7 +223,10 @@ def fleet_running(model_dir: Path, log_dir: Path, balance_args: list[str]) -> It
             replica.wait_ready_service(START_TIMEOUT)
         hosts = {replica.grpc_target for replica in replicas}
         deadline = time.monotonic() + 60
-        while not all(envoy_healthy(port, hosts) for port in admin_ports.values()):
+        while not all(
+            hosts <= healthy_upstreams(f"http://127.0.0.1:{port}", POLICY_CLUSTERS[policy])
+            for policy, port in admin_ports.items()
+        ):
             if time.monotonic() > deadline:
                 raise RuntimeError("Envoy never saw both replicas healthy")
             time.sleep(0.5)

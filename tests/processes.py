@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import subprocess
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Any
 
 from facade.stack import Stack, StackError
 
-__all__ = ["StackError", "TestStack", "free_port"]
+__all__ = ["StackError", "TestStack", "free_port", "healthy_upstreams"]
 
 
 def free_port() -> int:
@@ -22,6 +23,21 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def healthy_upstreams(admin_url: str, cluster: str) -> set[str]:
+    """The hosts of `cluster` that Envoy's admin /clusters shows healthy (none if Envoy does
+    not answer yet)."""
+    try:
+        with urllib.request.urlopen(f"{admin_url}/clusters", timeout=5) as reply:
+            lines = reply.read().decode().splitlines()
+    except OSError:
+        return set()
+    return {
+        line.split("::")[1]
+        for line in lines
+        if line.startswith(f"{cluster}::") and line.endswith("::health_flags::healthy")
+    }
 
 
 @dataclass

@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +26,7 @@ from llmcompletions.v2 import completions_pb2_grpc
 
 from tests.conftest import ENGINE_START_TIMEOUT, SMALL_ENGINE
 from tests.helpers import body, grpc_request
-from tests.processes import TestStack, free_port
+from tests.processes import TestStack, free_port, healthy_upstreams
 from tests.test_adapters import build_adapter
 
 ADAPTER = "sql"
@@ -49,13 +48,7 @@ class Fleet:
         return replica
 
     def healthy(self) -> set[str]:
-        with urllib.request.urlopen(f"{self.admin_url}/clusters", timeout=5) as reply:
-            lines = reply.read().decode().splitlines()
-        return {
-            line.split("::")[1]
-            for line in lines
-            if line.startswith("completion_service_prefix::") and line.endswith("::healthy")
-        }
+        return healthy_upstreams(self.admin_url, "completion_service_prefix")
 
 
 @pytest.fixture(scope="module")
