@@ -25,6 +25,7 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -358,7 +359,9 @@ def main() -> None:
     results: dict[str, dict[str, list[dict]]] = {
         w.name: {p: [] for p in POLICIES} for w in WORKLOADS
     }
-    with fleet_running(model_dir, args.out, balance_args) as fleet:
+    logs = Path(tempfile.mkdtemp(prefix="bench-routing-"))
+    print(f"replica logs in {logs}", flush=True)
+    with fleet_running(model_dir, logs, balance_args) as fleet:
         for round_index in range(args.rounds):
             for workload in WORKLOADS:
                 # Which policy goes first alternates by round; each run has prefixes of its own.
