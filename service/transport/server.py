@@ -11,6 +11,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from llmcompletions.v2 import completions_pb2, completions_pb2_grpc
+from vllm.utils.gc_utils import freeze_gc_heap
 
 from service.api.completions import CompletionHandler
 from service.api.model_listing import ModelListing
@@ -194,6 +195,10 @@ async def serve(server_settings: ServerSettings, engine_settings: EngineSettings
     if model is not None and exit_code == 0:
         state.serving = serving(model, server_settings)
         watch_engine_gauges(model.engine)
+        # As vLLM's own server does once it is up: the objects made at start (the model's
+        # config, the tokenizer, the modules) leave the garbage collector's generations, so
+        # its collections while serving walk only what requests allocate.
+        freeze_gc_heap()
         await set_health(health_servicer, SERVING)
         logger.info("serving model %s", model.name)
         if await until_stopped_or_engine_dead(model, stopping):
