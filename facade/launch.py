@@ -41,6 +41,7 @@ from facade.tls import (
     upstream_tls,
     upstream_transport_socket,
 )
+from service.options import at_least
 from service.settings import ServerSettings, TlsSettings
 from service.transport.endpoint_models import ENDPOINT_MODELS_HEADER
 
@@ -250,19 +251,9 @@ def from_env(name: str, fallback: object = None) -> str | None:
     return None if value is None else str(value)
 
 
-def at_least(text: str, minimum: int) -> int:
-    value = int(text)
-    if value < minimum:
-        raise argparse.ArgumentTypeError(f"must be at least {minimum}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    return at_least(text, 1)
-
-
-def balance_factor(text: str) -> int:
-    return at_least(text, 100)  # Envoy's lowest: no replica above the average
+positive_int = at_least(1)
+# Envoy's lowest load bound: no replica above the average.
+balance_factor = at_least(100)
 
 
 def log(message: str) -> None:
