@@ -1,8 +1,8 @@
 """The routing benchmark (`make bench-routing`): two replicas on one host, each on a core of its
-own, prefix caching on, behind two Envoys started as `facade.launch` starts them, one with
-`--balance prefix` (the default) and one with `--balance least-request`. Three workloads run
-through both, interleaved over rounds; every run draws prefixes no replica has seen, so no run
-inherits another's cache.
+own, prefix caching on, behind three Envoys started as `facade.launch` starts them, with
+`--balance prefix` (the default: the replica picker), `--balance prefix-hash` (Envoy's hashing
+alone) and `--balance least-request`. Three workloads run through each, interleaved over rounds;
+every run draws prefixes no replica has seen, so no run inherits another's cache.
 
 - S1 cache pressure: 8 shared prefixes of about 1,000 tokens, short unique suffixes, short
   outputs; one replica's KV cache cannot hold every prefix, two can.
@@ -41,9 +41,14 @@ from tests.metrics import scrape
 from tests.processes import TestStack, free_port, healthy_upstreams
 
 RESULTS = Path(__file__).parent / "results"
-POLICIES = ("least-request", "prefix")
+# prefix-hash (Envoy's hashing alone) runs beside them to show what the replica picker adds.
+POLICIES = ("least-request", "prefix-hash", "prefix")
 # The cluster each policy's completions go to (facade/balancing.py).
-POLICY_CLUSTERS = {"least-request": "completion_service", "prefix": "completion_service_prefix"}
+POLICY_CLUSTERS = {
+    "least-request": "completion_service",
+    "prefix-hash": "completion_service_prefix",
+    "prefix": "completion_service_prefix",
+}
 # About 4.7 prefixes of 1,000 tokens per replica (46 KiB a token): 8 do not fit in one, do in two.
 KV_CACHE_GIB = 0.21
 MAX_MODEL_LEN = 2048
@@ -213,7 +218,7 @@ def fleet_running(model_dir: Path, log_dir: Path, balance_args: list[str]) -> It
         for policy in POLICIES:
             http_port, admin_ports[policy] = free_port(), free_port()
             command = [sys.executable, "-m", "facade.launch", "--balance", policy]
-            if policy == "prefix":
+            if policy != "least-request":
                 command += balance_args
             command += ["--http-port", str(http_port), "--admin-port", str(admin_ports[policy])]
             for replica in replicas:
@@ -328,15 +333,15 @@ def plot(path: Path, table: dict[str, dict[str, dict]]) -> None:
     import matplotlib.pyplot as plt
 
     names = list(table)
-    figure, (ttft, hits) = plt.subplots(1, 2, figsize=(10, 4))
-    width = 0.35
+    figure, (ttft, hits) = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / len(POLICIES)
     for offset, policy in enumerate(POLICIES):
         xs = [i + offset * width for i in range(len(names))]
         ttft.bar(xs, [table[n][policy]["ttft_p50"] for n in names], width, label=policy)
         hits.bar(xs, [table[n][policy]["hit_rate"] for n in names], width, label=policy)
     hits.set_ylim(0, 1.25)  # room for the legend above the bars
     for axis, label in ((ttft, "TTFT p50 (s)"), (hits, "prefix-cache hit rate")):
-        axis.set_xticks([i + width / 2 for i in range(len(names))], names, fontsize=8)
+        axis.set_xticks([i + width for i in range(len(names))], names, fontsize=8)
         axis.set_ylabel(label)
         axis.legend()
     figure.suptitle("Two replicas, one core each: prefix affinity against least request")
@@ -349,7 +354,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument(
-        "--balance-factor", help="the prefix Envoy's load bound (default: facade.launch's)"
+        "--balance-factor", help="the keyed Envoys' load bound (default: facade.launch's)"
     )
     args = parser.parse_args()
     balance_args = ["--balance-factor", args.balance_factor] if args.balance_factor else []

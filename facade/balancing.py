@@ -3,11 +3,19 @@
 `prefix` (the default): a completion is keyed by its model and the leading part of its first
 prompt (text or token ids), and requests with the same key go to the same replica, whose
 prefix cache then already holds that part (a system prompt, few-shot examples, a document, a
-conversation so far); a replica loaded beyond a bound passes the key's requests on to the next
-one. Envoy does both itself: consistent hashing (ring hash) on a header with bounded load
-(`hash_balance_factor`). The key is computed in Envoy after the transcoder, so REST and native
-gRPC calls are keyed alike: Envoy's gRPC field extraction reads `model` and the prompt from the
-request message, and a Lua filter turns them into the key header.
+conversation so far); a replica loaded beyond a bound passes the key's requests on to another.
+The key is computed in Envoy after the transcoder, so REST and native gRPC calls are keyed
+alike: Envoy's gRPC field extraction reads `model` and the prompt from the request message, and
+a Lua filter turns them into the key header. Envoy then asks the replica picker
+(facade/picker), an external processor, which replica takes the key: it deals new keys out
+evenly over the replicas and keeps each key where it went while that replica is within the
+load bound. The keyed cluster follows the picker's answer (override-host balancing), and falls
+back to Envoy's own consistent hashing with bounded load when the picker has no answer.
+
+`prefix-hash`: the same keys, balanced by Envoy alone (ring hash on the key with
+`hash_balance_factor`). Hashing a few keys over a few replicas is uneven (two keys land on the
+same one of two replicas half of the time), which is why `prefix` adds the picker
+(BENCHMARKS.md, "Routing").
 
 `least-request`: every call to the replica with the fewest requests in flight. Calls that have
 no key (listing, tokenization) are always balanced this way.
@@ -24,17 +32,22 @@ from llmcompletions.v2 import completions_pb2
 from facade.envoy_config import (
     DESCRIPTOR_FILE,
     FACADE_DIR,
+    PICKER_CLUSTER,
     TRANSCODER,
     http_filters,
     replica_clusters,
     routes,
 )
+from facade.picker import CLUSTER_METADATA, REPLICA_HEADER
 
 ROUTING_LUA_FILE = FACADE_DIR / "routing.lua"
-BALANCE_POLICIES = ("prefix", "least-request")
+BALANCE_POLICIES = ("prefix", "prefix-hash", "least-request")
 PREFIX_HEADER = "x-prefix-key"
 EXTRACTION = "envoy.filters.http.grpc_field_extraction"
 ROUTING_FILTER = "llmcompletions.routing"
+PICKER_FILTER = "llmcompletions.replica_picker"
+# How long a request waits for the picker's answer before Envoy balances it by hash instead.
+PICKER_TIMEOUT = "0.2s"
 SERVICE = completions_pb2.DESCRIPTOR.services_by_name["CompletionService"]
 CREATE_COMPLETION = SERVICE.methods_by_name["CreateCompletion"].full_name
 # Where a prompt's text or token ids sit in its google.protobuf.Value (a string, a list of
@@ -58,6 +71,8 @@ class PrefixAffinity:
     # cache pressure and still spread a hot prefix; 100 spilled too early, 150 too late (Envoy
     # counts a replica overloaded only past ceil(factor x (all in flight + 1)) / replicas).
     balance_factor: int = 125
+    # Ask the replica picker (prefix) or leave it to Envoy's hashing alone (prefix-hash).
+    picker: bool = True
 
 
 def methods_with_model() -> list[str]:
@@ -119,26 +134,42 @@ def install_routing_filters(
     ]
 
 
+def ring_hash_policy(affinity: PrefixAffinity) -> dict[str, Any]:
+    return {
+        "typed_extension_config": {
+            "name": "envoy.load_balancing_policies.ring_hash",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies."
+                "ring_hash.v3.RingHash",
+                "consistent_hashing_lb_config": {"hash_balance_factor": affinity.balance_factor},
+            },
+        }
+    }
+
+
+def picked_policy(fallback: dict[str, Any]) -> dict[str, Any]:
+    """The replicas the picker named, in order (one per try of the request), then `fallback`."""
+    return {
+        "typed_extension_config": {
+            "name": "envoy.load_balancing_policies.override_host",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies."
+                "override_host.v3.OverrideHost",
+                "override_host_sources": [{"header": REPLICA_HEADER}],
+                "fallback_policy": {"policies": [fallback]},
+            },
+        }
+    }
+
+
 def prefix_cluster(cluster: dict[str, Any], affinity: PrefixAffinity) -> dict[str, Any]:
     """The same replicas, health checks and outlier detection, balanced by key."""
     twin = copy.deepcopy(cluster)
     twin["name"] = f"{cluster['name']}_prefix"
     twin["load_assignment"]["cluster_name"] = twin["name"]
+    hashed = ring_hash_policy(affinity)
     twin["load_balancing_policy"] = {
-        "policies": [
-            {
-                "typed_extension_config": {
-                    "name": "envoy.load_balancing_policies.ring_hash",
-                    "typed_config": {
-                        "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies."
-                        "ring_hash.v3.RingHash",
-                        "consistent_hashing_lb_config": {
-                            "hash_balance_factor": affinity.balance_factor
-                        },
-                    },
-                }
-            }
-        ]
+        "policies": [picked_policy(hashed) if affinity.picker else hashed]
     }
     return twin
 
@@ -187,3 +218,69 @@ def add_prefix_affinity(config: dict[str, Any], affinity: PrefixAffinity) -> Non
             else [route]
         )
     ]
+
+
+def picker_route_config(route: dict[str, Any]) -> dict[str, Any]:
+    """Keyed routes tell the picker their cluster; other calls skip it."""
+    cluster = route.get("route", {}).get("cluster", "")
+    keyed = cluster.endswith("_prefix")
+    per_route: dict[str, Any] = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
+    }
+    if keyed:
+        per_route["overrides"] = {
+            "grpc_initial_metadata": [{"key": CLUSTER_METADATA, "value": cluster}]
+        }
+    else:
+        per_route["disabled"] = True
+    return per_route
+
+
+def add_replica_picker(config: dict[str, Any], socket_path: str) -> None:
+    """Envoy asks the picker listening on `socket_path` about each keyed call, after the key is
+    set and before the router; if it does not answer in time, the call goes on without."""
+    config["static_resources"]["clusters"].append(
+        {
+            "name": PICKER_CLUSTER,
+            "type": "STATIC",
+            "connect_timeout": "1s",
+            "typed_extension_protocol_options": {
+                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                    "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3."
+                    "HttpProtocolOptions",
+                    "explicit_http_config": {"http2_protocol_options": {}},
+                }
+            },
+            "load_assignment": {
+                "cluster_name": PICKER_CLUSTER,
+                "endpoints": [
+                    {"lb_endpoints": [{"endpoint": {"address": {"pipe": {"path": socket_path}}}}]}
+                ],
+            },
+        }
+    )
+    filters = http_filters(config)
+    after_key = [f["name"] for f in filters].index(ROUTING_FILTER) + 1
+    skip = {
+        "response_header_mode": "SKIP",
+        "request_trailer_mode": "SKIP",
+        "response_trailer_mode": "SKIP",
+        "request_body_mode": "NONE",
+        "response_body_mode": "NONE",
+    }
+    filters.insert(
+        after_key,
+        {
+            "name": PICKER_FILTER,
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3."
+                "ExternalProcessor",
+                "grpc_service": {"envoy_grpc": {"cluster_name": PICKER_CLUSTER}},
+                "failure_mode_allow": True,
+                "message_timeout": PICKER_TIMEOUT,
+                "processing_mode": {"request_header_mode": "SEND", **skip},
+            },
+        },
+    )
+    for route in routes(config):
+        route.setdefault("typed_per_filter_config", {})[PICKER_FILTER] = picker_route_config(route)

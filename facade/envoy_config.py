@@ -9,6 +9,7 @@ from typing import Any
 FACADE_DIR = Path(__file__).resolve().parent
 DESCRIPTOR_FILE = FACADE_DIR / "completions.pb"
 TRANSCODER = "envoy.filters.http.grpc_json_transcoder"
+PICKER_CLUSTER = "replica_picker"  # facade/picker: not a replica
 
 
 def connection_manager(config: dict[str, Any]) -> dict[str, Any]:
@@ -34,4 +35,8 @@ def grpc_route(config: dict[str, Any]) -> dict[str, Any]:
 
 def replica_clusters(config: dict[str, Any]) -> list[dict[str, Any]]:
     """The clusters of replicas (not the aggregate of several pools)."""
-    return [c for c in config["static_resources"]["clusters"] if "load_assignment" in c]
+    return [
+        c
+        for c in config["static_resources"]["clusters"]
+        if "load_assignment" in c and c["name"] != PICKER_CLUSTER
+    ]

@@ -23,6 +23,7 @@ from facade.balancing import (
     BALANCE_POLICIES,
     PrefixAffinity,
     add_prefix_affinity,
+    add_replica_picker,
     install_routing_filters,
 )
 from facade.envoy_config import (
@@ -33,6 +34,7 @@ from facade.envoy_config import (
     replica_clusters,
     routes,
 )
+from facade.picker import start_picker
 from facade.pools import Pool, PoolError, discover, listing_header, parse_pool
 from facade.tls import (
     UpstreamTls,
@@ -65,8 +67,10 @@ MODEL_HEADER = "x-model"
 DEBUG_HEADERS = [
     {"header": {"key": "x-upstream-host", "value": "%UPSTREAM_REMOTE_ADDRESS%"}},
     {"header": {"key": "x-upstream-service-time", "value": "%RESPONSE_DURATION%"}},
-    # The call's routing key (facade/balancing.py), when it has one.
+    # The call's routing key (facade/balancing.py), when it has one, and the replicas the
+    # replica picker named for it, in order.
     {"header": {"key": "x-prefix-key", "value": "%REQ(x-prefix-key)%"}},
+    {"header": {"key": "x-replica-picked", "value": "%REQ(x-replica)%"}},
 ]
 
 
@@ -202,14 +206,22 @@ def configure_routing(
     pools: Sequence[Pool],
     listing: str,
     affinity: PrefixAffinity | None,
+    picker_socket: Path | None = None,
 ) -> None:
     """Routes by model over several pools (if given), and prefix affinity within each pool
-    (unless least request was asked for)."""
+    (unless least request was asked for), with the replica picker on `picker_socket`."""
     if pools:
         route_by_model(config, pools, listing)
     if affinity is not None:
         add_prefix_affinity(config, affinity)
     install_routing_filters(config, by_model=bool(pools), affinity=affinity)
+    if affinity is not None and affinity.picker and picker_socket is not None:
+        add_replica_picker(config, str(picker_socket))
+
+
+def several_replicas(groups: Sequence[Sequence[tuple[str, int]]]) -> bool:
+    """Whether any pool has more than one replica (a host name may resolve to several)."""
+    return any(len(group) > 1 or not is_ip_address(group[0][0]) for group in groups)
 
 
 def apply_tls(
@@ -303,7 +315,8 @@ def add_balance_options(parser: argparse.ArgumentParser) -> None:
         default=from_env("BALANCE", "prefix"),
         help="how a pool's replica is picked for a completion: prefix (requests sharing "
         "their model and leading prompt go to the same replica, whose prefix cache holds it, "
-        "within a load bound) or least-request (env BALANCE; default prefix)",
+        "within a load bound; the replica picker deals keys out evenly), prefix-hash (the "
+        "same keys, hashed by Envoy alone) or least-request (env BALANCE; default prefix)",
     )
     parser.add_argument(
         "--prefix-chars",
@@ -330,9 +343,10 @@ def add_balance_options(parser: argparse.ArgumentParser) -> None:
 
 
 def affinity_from(args: argparse.Namespace) -> PrefixAffinity | None:
-    if args.balance != "prefix":
+    if args.balance == "least-request":
         return None
-    return PrefixAffinity(args.prefix_chars, args.prefix_tokens, args.balance_factor)
+    picker = args.balance == "prefix"
+    return PrefixAffinity(args.prefix_chars, args.prefix_tokens, args.balance_factor, picker)
 
 
 def describe_tls(tls: TlsSettings | UpstreamTls | None) -> str:
@@ -439,8 +453,11 @@ def main() -> None:
             sys.exit(f"envoy: {error}")
         upstreams = [address for pool in pools for address in pool.addresses]
     affinity = affinity_from(args)
-    configure_routing(config, pools, listing, affinity)
+    if affinity is not None and not several_replicas([p.addresses for p in pools] or [upstreams]):
+        affinity = None  # one replica per pool: nothing to choose, so no key to compute
     directory = Path(tempfile.mkdtemp(prefix="envoy-facade-"))
+    picker_socket = directory / "picker.sock"
+    configure_routing(config, pools, listing, affinity, picker_socket)
     apply_tls(config, listener, upstream, directory)
     config_path = write_config(config, directory)
     command = envoy_command(config_path, args.log_level, args.concurrency)
@@ -449,6 +466,10 @@ def main() -> None:
         f"replicas {upstreams} ({describe_tls(upstream)}), balanced by "
         + ("least request" if affinity is None else f"prefix ({affinity})")
     )
+    if affinity is not None and affinity.picker:
+        start_picker(
+            str(picker_socket), f"http://127.0.0.1:{args.admin_port}", affinity.balance_factor
+        )
     os.execv(command[0], command)
 
 

@@ -11,6 +11,8 @@
 -- x-prefix-key: a digest of a completion's model and the leading part of its first prompt
 --   (its first PREFIX_CHARS bytes of text, or first PREFIX_TOKENS token ids): Envoy hashes it
 --   to pick the replica. Any x-prefix-key a client sent is dropped.
+-- x-replica: only the replica picker (facade/picker) sets it, after this filter; one a client
+--   sent is dropped, so that no caller can pin a replica.
 --
 -- Both headers reach the replica as gRPC metadata too, so both stay short: a request's own
 -- values (a 100,000-character model name) must not push it past the replica's metadata limit.
@@ -74,5 +76,6 @@ function envoy_on_request(handle)
   else
     headers:remove("x-prefix-key")
   end
+  headers:remove("x-replica")
   handle:clearRouteCache()
 end

@@ -7,12 +7,12 @@ from __future__ import annotations
 import contextlib
 import socket
 import subprocess
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from facade.picker.fleet import read_clusters
 from facade.stack import Stack, StackError
 
 __all__ = ["StackError", "TestStack", "free_port", "healthy_upstreams"]
@@ -29,15 +29,10 @@ def healthy_upstreams(admin_url: str, cluster: str) -> set[str]:
     """The hosts of `cluster` that Envoy's admin /clusters shows healthy (none if Envoy does
     not answer yet)."""
     try:
-        with urllib.request.urlopen(f"{admin_url}/clusters", timeout=5) as reply:
-            lines = reply.read().decode().splitlines()
+        hosts = read_clusters(admin_url).get(cluster, {})
     except OSError:
         return set()
-    return {
-        line.split("::")[1]
-        for line in lines
-        if line.startswith(f"{cluster}::") and line.endswith("::health_flags::healthy")
-    }
+    return {host for host, replica in hosts.items() if replica.healthy}
 
 
 @dataclass

@@ -8,6 +8,7 @@ last one kills a replica."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from typing import Any
 
 import grpc
 import httpx
+import psutil
 import pytest
 from llmcompletions.v2 import completions_pb2_grpc
 
@@ -68,13 +70,27 @@ def fleet(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         )
         for core in range(2)
     ]
+    for replica in replicas:
+        replica.start(with_envoy=False)
+    try:
+        for replica in replicas:
+            replica.wait_ready_service(ENGINE_START_TIMEOUT)
+        with facade(replicas) as running:
+            yield running
+    finally:
+        for replica in replicas:
+            replica.stop()
+
+
+@contextlib.contextmanager
+def facade(replicas: list[TestStack]) -> Iterator[Fleet]:
+    """Envoy in front of the replicas, as facade.launch starts it by default, once it sees
+    both healthy."""
     http_port, admin_port = free_port(), free_port()
     command = [sys.executable, "-m", "facade.launch", "--debug-headers"]
     command += ["--http-port", str(http_port), "--admin-port", str(admin_port)]
     for replica in replicas:
         command += ["--upstream", replica.grpc_target]
-    for replica in replicas:
-        replica.start(with_envoy=False)
     envoy = subprocess.Popen(command)
     running = Fleet(
         replicas,
@@ -84,21 +100,38 @@ def fleet(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         f"http://127.0.0.1:{admin_port}",
     )
     try:
-        for replica in replicas:
-            replica.wait_ready_service(ENGINE_START_TIMEOUT)
         deadline = time.monotonic() + 60
-        while running.healthy() != {r.grpc_target for r in replicas}:
-            assert time.monotonic() < deadline, "Envoy never saw both replicas healthy"
+        while running.healthy() != {
+            r.grpc_target for r in replicas if r.processes[0].poll() is None
+        }:
+            assert time.monotonic() < deadline, "Envoy never saw the replicas healthy"
             time.sleep(0.5)
         # Envoy's worker threads receive the new host set (and rebuild the hash ring) shortly
-        # after the admin interface shows it.
+        # after the admin interface shows it; the picker reads it every 50 ms.
         time.sleep(RING_SETTLE_SECONDS)
         yield running
     finally:
         envoy.terminate()
         envoy.wait(timeout=30)
-        for replica in replicas:
-            replica.stop()
+
+
+def wait_gone(process: psutil.Process, timeout: float = 10) -> None:
+    """Until the process has exited (a zombie waiting for its parent to reap it counts)."""
+    deadline = time.monotonic() + timeout
+    with contextlib.suppress(psutil.NoSuchProcess):
+        while process.status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, f"process {process.pid} still running"
+            time.sleep(0.1)
+
+
+def picker_of(envoy: subprocess.Popen[bytes]) -> psutil.Process:
+    """The replica picker facade.launch started beside Envoy."""
+    (picker,) = [
+        child
+        for child in psutil.Process(envoy.pid).children()
+        if "facade.picker.server" in child.cmdline()
+    ]
+    return picker
 
 
 def shared_prefix(label: str) -> str:
@@ -132,7 +165,7 @@ def grpc_host(fleet: Fleet, **fields: Any) -> str:
 
 
 def test_requests_sharing_a_prefix_land_on_one_replica_on_both_surfaces(fleet: Fleet) -> None:
-    spread: set[str] = set()
+    homes: list[str] = []
     for label in range(8):
         prefix = shared_prefix(f"doc {label}")
         hosts = {
@@ -141,9 +174,21 @@ def test_requests_sharing_a_prefix_land_on_one_replica_on_both_surfaces(fleet: F
             grpc_host(fleet, prompt=f"{prefix} Question C?", max_tokens=2),
         }
         assert len(hosts) == 1, f"prefix {label} went to {hosts}"
-        spread |= hosts
-    # Different prefixes are spread over the pool (8 keys on one replica: 1 chance in 128).
-    assert spread == {replica.grpc_target for replica in fleet.replicas}
+        homes.extend(hosts)
+    # The picker deals new prefixes out evenly (the first test: no key seen before).
+    assert sorted(homes.count(r.grpc_target) for r in fleet.replicas) == [4, 4], homes
+
+
+def test_the_replica_picked_serves_and_the_other_is_next_for_retries(fleet: Fleet) -> None:
+    reply = httpx.post(
+        f"{fleet.base_url}/v2/completions",
+        json=body(prompt=shared_prefix("picked"), max_tokens=1),
+        timeout=120,
+    )
+    assert reply.status_code == 200
+    picked = reply.headers["x-replica-picked"].split(",")
+    assert sorted(picked) == sorted(r.grpc_target for r in fleet.replicas)
+    assert reply.headers[HOST_HEADER] == picked[0]
 
 
 def test_the_keyed_replica_serves_the_shared_prefix_from_its_cache(fleet: Fleet) -> None:
@@ -206,8 +251,28 @@ def test_a_hot_prefix_spills_to_the_other_replica_under_load(fleet: Fleet) -> No
             )
         )
     counts = {host: hosts.count(host) for host in set(hosts)}
+    # Once both replicas hold the prefix, its requests go to the less loaded of the two.
     assert len(counts) == 2, f"no spill: {counts}"
-    assert max(counts.values()) > min(counts.values()), f"affinity lost: {counts}"
+
+
+def test_without_its_picker_envoy_still_keeps_a_prefix_on_one_replica(fleet: Fleet) -> None:
+    with facade(fleet.replicas) as other:
+        picker = picker_of(other.envoy)
+        picker.kill()
+        wait_gone(picker)
+        prefix = shared_prefix("no picker")
+        hosts = {
+            rest_call(other, prompt=f"{prefix} Question {i}?", max_tokens=1)[0] for i in range(4)
+        }
+        hosts.add(grpc_host(other, prompt=f"{prefix} Question 5?", max_tokens=1))
+        assert len(hosts) == 1, hosts
+
+
+def test_the_picker_leaves_with_envoy(fleet: Fleet) -> None:
+    with facade(fleet.replicas) as other:
+        picker = picker_of(other.envoy)
+        other.envoy.kill()
+        wait_gone(picker)
 
 
 def test_a_killed_replicas_prefixes_move_to_the_other_without_failures(fleet: Fleet) -> None:

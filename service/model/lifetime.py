@@ -38,16 +38,24 @@ def is_engine_process() -> bool:
     return server_pid is not None and server_pid != str(os.getpid())
 
 
+def signal_on_parent_death(signum: int) -> str | None:
+    """Asks Linux to send this process `signum` when its parent dies; the error, if refused."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0) != 0:
+        return os.strerror(ctypes.get_errno())
+    return None
+
+
 def die_with_parent() -> None:
     """In an engine process: be killed when the parent process dies."""
     if not is_engine_process() or not sys.platform.startswith("linux"):
         return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+    problem = signal_on_parent_death(signal.SIGKILL)
+    if problem is not None:
         logger.warning(
             "cannot tie this engine process to its parent (prctl: %s); it would outlive a "
             "killed server",
-            os.strerror(ctypes.get_errno()),
+            problem,
         )
         return
     parent = multiprocessing.parent_process()

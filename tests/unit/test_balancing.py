@@ -1,23 +1,27 @@
 """The facade's balancing within a pool, as Envoy configuration: completions keyed by model and
-leading prompt go to a twin cluster hashed on the key with bounded load; everything else stays
-on least request."""
+leading prompt go to a twin cluster that follows the replica picker's answer, else hashes the key
+with bounded load; everything else stays on least request."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from facade import balancing, envoy_config, launch
 from facade.balancing import PREFIX_HEADER, PrefixAffinity
+from facade.picker import CLUSTER_METADATA, REPLICA_HEADER
 from facade.pools import Pool
 
 AFFINITY = PrefixAffinity(chars=100, tokens=10, balance_factor=125)
+HASH_ONLY = PrefixAffinity(chars=100, tokens=10, balance_factor=125, picker=False)
+SOCKET = Path("/tmp/picker.sock")
 
 
 def configured(pools: list[Pool], affinity: PrefixAffinity | None) -> dict[str, Any]:
     config = launch.render_config(8080, 9901, [("127.0.0.1", 50051)])
-    launch.configure_routing(config, pools, "", affinity)
+    launch.configure_routing(config, pools, "", affinity, SOCKET)
     return config
 
 
@@ -30,13 +34,17 @@ def policy(cluster: dict[str, Any]) -> dict[str, Any]:
     return chosen["typed_extension_config"]
 
 
-def test_one_pool_gets_a_twin_hashed_on_the_key_with_bounded_load() -> None:
+def test_one_pool_gets_a_twin_that_follows_the_picker_else_hashes_with_bounded_load() -> None:
     found = clusters(configured([], AFFINITY))
-    assert set(found) == {"completion_service", "completion_service_prefix"}
+    assert set(found) == {"completion_service", "completion_service_prefix", "replica_picker"}
     assert policy(found["completion_service"])["name"].endswith("least_request")
     twin = policy(found["completion_service_prefix"])
-    assert twin["name"] == "envoy.load_balancing_policies.ring_hash"
-    assert twin["typed_config"]["consistent_hashing_lb_config"]["hash_balance_factor"] == 125
+    assert twin["name"] == "envoy.load_balancing_policies.override_host"
+    assert twin["typed_config"]["override_host_sources"] == [{"header": REPLICA_HEADER}]
+    (fallback,) = twin["typed_config"]["fallback_policy"]["policies"]
+    hashed = fallback["typed_extension_config"]
+    assert hashed["name"] == "envoy.load_balancing_policies.ring_hash"
+    assert hashed["typed_config"]["consistent_hashing_lb_config"]["hash_balance_factor"] == 125
     for kept in ("health_checks", "outlier_detection", "load_assignment"):
         original, copied = (
             found["completion_service"][kept],
@@ -46,6 +54,45 @@ def test_one_pool_gets_a_twin_hashed_on_the_key_with_bounded_load() -> None:
             assert copied["endpoints"] == original["endpoints"]
         else:
             assert copied == original
+
+
+def test_prefix_hash_leaves_the_twin_to_envoys_hashing_alone() -> None:
+    config = configured([], HASH_ONLY)
+    found = clusters(config)
+    assert set(found) == {"completion_service", "completion_service_prefix"}
+    assert policy(found["completion_service_prefix"])["name"].endswith("ring_hash")
+    assert balancing.PICKER_FILTER not in [f["name"] for f in envoy_config.http_filters(config)]
+
+
+def test_envoy_asks_the_picker_after_the_key_is_set_and_fails_open() -> None:
+    config = configured([], AFFINITY)
+    names = [f["name"] for f in envoy_config.http_filters(config)]
+    assert names.index(balancing.ROUTING_FILTER) + 1 == names.index(balancing.PICKER_FILTER)
+    assert names.index(balancing.PICKER_FILTER) < names.index("envoy.filters.http.router")
+    picker = envoy_config.filter_config(config, balancing.PICKER_FILTER)
+    assert picker["failure_mode_allow"] is True
+    assert picker["processing_mode"]["request_header_mode"] == "SEND"
+    assert {picker["processing_mode"][m] for m in picker["processing_mode"]} - {"SEND"} <= {
+        "SKIP",
+        "NONE",
+    }
+    socket = clusters(config)["replica_picker"]["load_assignment"]["endpoints"][0]
+    assert socket["lb_endpoints"][0]["endpoint"]["address"] == {"pipe": {"path": str(SOCKET)}}
+    # The picker is no replica: no twin, and TLS to replicas does not apply to it.
+    assert "replica_picker" not in {c["name"] for c in envoy_config.replica_clusters(config)}
+
+
+def test_only_keyed_routes_ask_the_picker_and_name_their_cluster() -> None:
+    pools = [Pool("a", (("127.0.0.1", 1),), ("a",)), Pool("b", (("127.0.0.1", 2),), ("b",))]
+    for route in envoy_config.routes(configured(pools, AFFINITY)):
+        per_route = route["typed_per_filter_config"][balancing.PICKER_FILTER]
+        cluster = route.get("route", {}).get("cluster", "")
+        if cluster.endswith("_prefix"):
+            assert per_route["overrides"]["grpc_initial_metadata"] == [
+                {"key": CLUSTER_METADATA, "value": cluster}
+            ]
+        else:
+            assert per_route["disabled"] is True, route
 
 
 def test_keyed_calls_take_the_twin_and_the_rest_least_request() -> None:
@@ -106,6 +153,7 @@ def test_the_key_lengths_reach_the_lua_filter(
     [
         ([], PrefixAffinity()),
         (["--balance", "least-request"], None),
+        (["--balance", "prefix-hash"], PrefixAffinity(picker=False)),
         (["--prefix-chars", "64", "--balance-factor", "200"], PrefixAffinity(64, 64, 200)),
     ],
 )
@@ -124,3 +172,18 @@ def test_a_balance_factor_below_100_is_refused() -> None:
     launch.add_balance_options(parser)
     with pytest.raises(SystemExit):
         parser.parse_args(["--balance-factor", "99"])
+
+
+@pytest.mark.parametrize(
+    ("groups", "several"),
+    [
+        ([[("127.0.0.1", 1)]], False),
+        ([[("127.0.0.1", 1)], [("127.0.0.1", 2)]], False),
+        ([[("127.0.0.1", 1), ("127.0.0.1", 2)]], True),
+        ([[("replicas.svc", 1)]], True),  # a name can resolve to several replicas
+    ],
+)
+def test_keys_are_computed_only_where_a_pool_has_several_replicas(
+    groups: list[list[tuple[str, int]]], several: bool
+) -> None:
+    assert launch.several_replicas(groups) is several

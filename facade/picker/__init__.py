@@ -1,0 +1,36 @@
+"""The replica picker: an external processor that Envoy asks, for each keyed completion, which
+replica of the pool should serve it (facade/balancing.py says when and why).
+
+Envoy sends the request's headers (with the key that facade/routing.lua computed) and the pool's
+cluster; the picker answers with the replicas to try, in order, in REPLICA_HEADER, and the
+cluster's override-host balancing follows it. It fails open: if the picker is down, slow or has
+no answer, Envoy balances by consistent hashing with bounded load instead.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+from service.model.lifetime import signal_on_parent_death
+
+REPLICA_HEADER = "x-replica"
+# gRPC metadata of Envoy's call to the picker (set per route): the cluster the request goes to.
+CLUSTER_METADATA = "x-picker-cluster"
+
+
+def start_picker(socket_path: str, admin_url: str, balance_factor: int) -> None:
+    """Starts the picker beside the process about to become Envoy (facade.launch execs it):
+    the picker is that process's child, and is stopped when it exits."""
+    subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "facade.picker.server",
+            *("--socket", socket_path),
+            *("--admin-url", admin_url),
+            *("--balance-factor", str(balance_factor)),
+        ],
+        preexec_fn=lambda: signal_on_parent_death(signal.SIGTERM),
+    )

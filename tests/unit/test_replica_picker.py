@@ -1,0 +1,156 @@
+"""The replica picker's choices: new keys dealt out evenly, a key kept where its prefix is cached
+while that replica is within the load bound, spilled past it; Envoy's view read from its admin;
+the answer as Envoy's override-host balancing reads it."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
+
+from facade.picker import REPLICA_HEADER
+from facade.picker.fleet import FleetView, Replica, parse_clusters
+from facade.picker.policy import CacheAwarePolicy, load_bound
+from facade.picker.server import ReplicaPicker, header_value, replica_response
+
+A, B = "127.0.0.1:1", "127.0.0.1:2"
+IDLE = {A: 0, B: 0}
+
+
+def first_picks(policy: CacheAwarePolicy, keys: list[str], loads: dict[str, int]) -> list[str]:
+    return [policy.choose("pool", key, loads)[0] for key in keys]
+
+
+def test_new_keys_are_dealt_out_evenly() -> None:
+    policy = CacheAwarePolicy(balance_factor=125)
+    assert Counter(first_picks(policy, [f"key{i}" for i in range(8)], IDLE)) == {A: 4, B: 4}
+    two = CacheAwarePolicy(balance_factor=125)
+    assert set(first_picks(two, ["x", "y"], IDLE)) == {A, B}
+
+
+def test_a_key_stays_on_its_replica_within_the_bound() -> None:
+    policy = CacheAwarePolicy(balance_factor=125)
+    (home,) = first_picks(policy, ["key"], IDLE)
+    other = B if home == A else A
+    # Its replica busier, but within 125% of the average (ceil(1.25 x 5 / 2) = 4).
+    assert first_picks(policy, ["key"] * 3, {home: 3, other: 1}) == [home] * 3
+
+
+def test_a_hot_key_spills_past_the_bound_and_then_has_two_homes() -> None:
+    policy = CacheAwarePolicy(balance_factor=125)
+    (home,) = first_picks(policy, ["hot"], IDLE)
+    other = B if home == A else A
+    assert first_picks(policy, ["hot"], {home: 6, other: 0}) == [other]
+    # Both now hold it: it goes to the less loaded of the two.
+    assert first_picks(policy, ["hot"], {home: 1, other: 2}) == [home]
+    assert first_picks(policy, ["hot"], {home: 2, other: 1}) == [other]
+
+
+def test_the_other_replicas_follow_for_retries_least_loaded_first() -> None:
+    policy = CacheAwarePolicy(balance_factor=125)
+    c = "127.0.0.1:3"
+    order = policy.choose("pool", "key", {A: 2, B: 1, c: 0})
+    assert order[0] == c and order[1:] == [B, A]
+
+
+def test_no_healthy_replica_leaves_the_choice_to_envoy() -> None:
+    assert CacheAwarePolicy(balance_factor=125).choose("pool", "key", {}) == []
+
+
+def test_a_replica_that_left_loses_its_keys() -> None:
+    policy = CacheAwarePolicy(balance_factor=125)
+    (home,) = first_picks(policy, ["key"], IDLE)
+    other = B if home == A else A
+    assert first_picks(policy, ["key"], {other: 0}) == [other]  # home unhealthy meanwhile
+    policy.forget_replica("pool", home)
+    policy.forget_replica("pool", other)
+    assert policy.keys_held[("pool", home)] == 0
+
+
+def test_pools_are_dealt_separately() -> None:
+    policy = CacheAwarePolicy(balance_factor=125)
+    assert policy.choose("one", "k1", IDLE)[0] == policy.choose("two", "k1", IDLE)[0]
+
+
+def test_the_least_recently_used_keys_are_forgotten() -> None:
+    policy = CacheAwarePolicy(balance_factor=125, max_keys=2)
+    first_picks(policy, ["k1", "k2", "k3"], IDLE)
+    assert list(policy.holders) == [("pool", "k2"), ("pool", "k3")]
+    assert sum(policy.keys_held.values()) == 2
+
+
+def test_the_bound_is_envoys() -> None:
+    assert load_bound({A: 0, B: 0}, 125) == 1
+    assert load_bound({A: 3, B: 1}, 125) == 4
+    assert load_bound({A: 3, B: 1}, 100) == 3
+
+
+ADMIN_CLUSTERS = """\
+completion_service_prefix::default_priority::max_connections::1024
+completion_service_prefix::outlier::success_rate_average::-1
+completion_service_prefix::127.0.0.1:1::rq_active::3
+completion_service_prefix::127.0.0.1:1::health_flags::healthy
+completion_service_prefix::127.0.0.1:2::rq_active::0
+completion_service_prefix::127.0.0.1:2::health_flags::/failed_active_hc
+"""
+
+
+def test_envoys_admin_view_is_read() -> None:
+    clusters = parse_clusters(ADMIN_CLUSTERS)
+    assert clusters == {
+        "completion_service_prefix": {
+            A: Replica(healthy=True, in_flight=3),
+            B: Replica(healthy=False, in_flight=0),
+        }
+    }
+
+
+def test_requests_sent_since_the_last_reading_count_as_load() -> None:
+    fleet = FleetView()
+    assert fleet.update(parse_clusters(ADMIN_CLUSTERS)) == set()
+    fleet.sent("completion_service_prefix", A)
+    assert fleet.loads("completion_service_prefix") == {A: 4}  # B is not healthy
+    lost = fleet.update({"completion_service_prefix": {A: Replica(False, 0)}})
+    assert lost == {("completion_service_prefix", A)}
+    assert fleet.loads("completion_service_prefix") == {}
+
+
+def headers(**values: str) -> ext_proc.HttpHeaders:
+    return ext_proc.HttpHeaders(
+        headers=base_pb2.HeaderMap(
+            headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in values.items()]
+        )
+    )
+
+
+def test_the_answer_names_the_replicas_in_order_for_override_host() -> None:
+    (mutation,) = replica_response([A, B]).request_headers.response.header_mutation.set_headers
+    assert mutation.header.key == REPLICA_HEADER
+    assert mutation.header.raw_value == f"{A},{B}".encode()
+    assert mutation.append_action == base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+    empty = replica_response([])
+    assert (
+        empty.HasField("request_headers")
+        and not empty.request_headers.response.header_mutation.set_headers
+    )
+
+
+def test_header_values_are_read_raw_or_plain() -> None:
+    assert header_value(headers(**{"x-prefix-key": "abc"}), "x-prefix-key") == "abc"
+    plain = ext_proc.HttpHeaders(
+        headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key="x-a", value="v")])
+    )
+    assert header_value(plain, "x-a") == "v"
+    assert header_value(plain, "x-b") is None
+
+
+def test_a_pick_counts_as_load_until_envoys_next_reading() -> None:
+    fleet = FleetView()
+    fleet.update({"c": {A: Replica(True, 0), B: Replica(True, 0)}})
+    picker = ReplicaPicker(CacheAwarePolicy(balance_factor=100), fleet)
+    # The same new key twice before Envoy's view shows either: the first pick loads its
+    # replica, so the second (past a bound of the average) goes to the other.
+    first = picker.pick("c", "key")[0]
+    assert fleet.loads("c") == {first: 1, (B if first == A else A): 0}
+    assert picker.pick("c", "key")[0] != first
