@@ -3,7 +3,8 @@
 # make unit    install what is missing, run only the unit tests (tests/unit: no engine, no Envoy)
 # make proto   rebuild generated code from proto/    make lint   ruff and buf lint
 # make bench   the serving benchmark against vLLM's OpenAI server (BENCHMARKS.md), then:
-# make bench-frontend  serving CPU per token, ours against vLLM's, on a tiny model
+# make bench-frontend  `make serve` against `vllm serve` as users run them: serving CPU per token
+# make bench-frontend-same-flags  the same through the test harness, same engine flags both sides
 # make profile CPU per generated token of each server and serving-path option, then bench-frontend
 # make bench-routing  two replicas behind Envoy: prefix affinity against least request
 
@@ -17,7 +18,7 @@ STAMP := $(VENV)/.installed-$(ENGINE)
 # The unit layer; --confcutdir keeps tests/conftest.py (it starts the engine and Envoy) unloaded.
 UNIT_TESTS := tests/unit --confcutdir=tests/unit
 
-.PHONY: install serve test unit proto lint bench profile bench-frontend bench-routing
+.PHONY: install serve test unit proto lint bench profile bench-frontend bench-frontend-same-flags bench-routing
 
 install: $(STAMP)
 
@@ -55,9 +56,15 @@ profile: install
 	$(BIN)/python -m bench.profile --py-spy $(PROFILE_ARGS)
 	$(MAKE) bench-frontend
 
-# Serving CPU per token on a tiny random-weight model, 3 rounds interleaved (about 12 minutes;
-# FRONTEND_ARGS=--rounds N).
+# `make serve` against `vllm serve`, started as users start them, on a tiny random-weight model:
+# serving and engine CPU per token, 3 rounds interleaved (about 10 minutes; FRONTEND_ARGS=
+# --rounds N, --variants 'all' for the A/B of the path's factors and stream_interval).
 bench-frontend: install
+	$(BIN)/python -m bench.user_path $(FRONTEND_ARGS)
+
+# The same comparison through the test harness with the same engine flags on both sides
+# (about 12 minutes).
+bench-frontend-same-flags: install
 	$(BIN)/python -m bench.profile --frontend-heavy $(FRONTEND_ARGS)
 
 # Two replicas on their own cores, prefix affinity against least request over three workloads,

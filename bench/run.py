@@ -1,6 +1,7 @@
-"""Run the benchmark: the same workloads against (a) vLLM's OpenAI server on /v1/completions,
-(b) our REST through Envoy on /v2/completions and (c) our gRPC method, one server at a time on
-the same model and engine settings, plus the offline engine ceiling.
+"""Run the benchmark: the same workloads against (a) `vllm serve` on /v1/completions, (b) our
+REST through Envoy on /v2/completions and (c) our gRPC method, one server at a time, each
+started as a user comparing them would (`make serve` with its environment variables, `vllm
+serve` with the matching flags: bench/servers.py), plus the offline engine ceiling.
 
 Usage: python -m bench.run [--quick] [--out bench/results]
 """
@@ -19,7 +20,7 @@ from typing import Any
 
 from bench.grpc_client import run_load
 from bench.report import write_report
-from bench.servers import OurStack, PeakRss, VllmOpenAIServer
+from bench.servers import MakeServe, PeakRss, VllmServe
 from bench.workloads import FULL, QUICK, Workload
 from service.model.default_model import DEFAULT_SERVED_MODEL_NAME, prepare_default_model
 
@@ -82,7 +83,7 @@ def same_prompts(model_dir: Path, workload: Workload) -> list[str]:
     return [str(request.prompt) for request in requests]
 
 
-def measure(server: VllmOpenAIServer | OurStack, runs: dict[str, Any]) -> int:
+def measure(server: VllmServe | MakeServe, runs: dict[str, Any]) -> int:
     """Run each workload against the server; the server's peak RSS over all of them."""
     sampler = PeakRss(server.pids)
     sampler.start()
@@ -125,7 +126,7 @@ def main() -> None:
     results: dict[str, dict[str, dict]] = {"vllm_openai": {}, "rest": {}, "grpc": {}}
     memory: dict[str, int] = {}
 
-    baseline = VllmOpenAIServer(model_dir, MODEL)
+    baseline = VllmServe(model_dir, MODEL)
     baseline.wait_ready()
     memory["vllm_openai"] = measure(
         baseline,
@@ -138,7 +139,7 @@ def main() -> None:
     )
     baseline.stop()
 
-    ours = OurStack(model_dir, MODEL)
+    ours = MakeServe(model_dir, MODEL)
     ours.wait_ready()
     runs = {}
     for w in workloads:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -100,17 +103,7 @@ class VllmOpenAIServer:
         self.pids = [self.process.pid]
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError("vLLM's OpenAI server exited during start")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise RuntimeError("vLLM's OpenAI server did not start")
+        wait_for(self.process, f"{self.base_url}/health", "vLLM's OpenAI server")
 
     def stop(self) -> None:
         self.process.terminate()
@@ -159,3 +152,145 @@ class OurStack:
 
     def stop(self) -> None:
         self.stack.stop()
+
+
+REPO = Path(__file__).resolve().parent.parent
+# `make serve`'s environment interface, set as a user sizing it for this comparison would.
+MAKE_SERVE_ENV = {
+    "KV_CACHE_GIB": "2",
+    "MAX_MODEL_LEN": "2048",
+    "MAX_IN_FLIGHT": "1024",
+    "MAX_WAITING": "4096",
+}
+NO_PREFIX_CACHING = {"enable_prefix_caching": False}
+
+
+def cpu_seconds(pid: int) -> float:
+    try:
+        times = psutil.Process(pid).cpu_times()
+    except psutil.NoSuchProcess:
+        return 0.0
+    return times.user + times.system
+
+
+def descendants(pid: int) -> list[int]:
+    try:
+        return [child.pid for child in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+class MakeServe:
+    """Our stack exactly as a user runs it: `make serve`, configured by environment variables
+    (MODEL set, so no model preparation), stopped by SIGINT as Ctrl-C would."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        served_name: str,
+        engine_args: dict[str, object] | None = None,
+        env: dict[str, str] | None = None,
+        log_path: Path = Path(os.devnull),
+    ) -> None:
+        self.grpc_port, self.http_port = free_port(), free_port()
+        self.base_url = f"http://127.0.0.1:{self.http_port}"
+        self.grpc_target = f"127.0.0.1:{self.grpc_port}"
+        variables = {
+            "MODEL": str(model_dir),
+            "SERVED_MODEL_NAME": served_name,
+            "GRPC_PORT": str(self.grpc_port),
+            "HTTP_PORT": str(self.http_port),
+            "METRICS_PORT": str(free_port()),
+            "ENVOY_ADMIN_PORT": str(free_port()),
+            **MAKE_SERVE_ENV,
+            "ENGINE_ARGS": json.dumps({**NO_PREFIX_CACHING, **(engine_args or {})}),
+            **(env or {}),
+        }
+        self.log = log_path.open("ab")
+        self.process = subprocess.Popen(
+            ["make", "--no-print-directory", "serve"],
+            cwd=REPO,
+            env={**os.environ, **variables},
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.pids = [self.process.pid]
+
+    def wait_ready(self) -> None:
+        wait_for(self.process, f"{self.base_url}/v2/models", "make serve")
+
+    def processes(self) -> dict[str, list[int]]:
+        """The stack's processes by role: the supervisors (make, facade.stack), the service,
+        Envoy, and the engine's (everything beneath the service)."""
+        roles: dict[str, list[int]] = {"supervisor": [self.process.pid]}
+        for child in psutil.Process(self.process.pid).children(recursive=True):
+            command = " ".join(child.cmdline())
+            if "facade.stack" in command:
+                roles["supervisor"].append(child.pid)
+            elif "-m service serve" in command:
+                roles["frontend"] = [child.pid]
+                roles["engine"] = descendants(child.pid)
+            elif child.name() == "envoy":
+                roles["envoy"] = [child.pid]
+        return roles
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGINT)
+        try:
+            self.process.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        self.log.close()
+
+
+class VllmServe:
+    """`vllm serve` with the flags a user comparing it with `make serve` passes: the same
+    model, name, dtype, eager mode, context length, no prefix caching, and the same KV cache
+    (VLLM_CPU_KVCACHE_SPACE), plus `extra_args` (e.g. --stream-interval N)."""
+
+    def __init__(self, model_dir: Path, served_name: str, extra_args: Sequence[str] = ()) -> None:
+        port = free_port()
+        self.base_url = f"http://127.0.0.1:{port}"
+        command = [
+            str(Path(sys.executable).parent / "vllm"),
+            "serve",
+            str(model_dir),
+            *("--served-model-name", served_name),
+            *("--dtype", "float32", "--enforce-eager"),
+            *("--max-model-len", MAKE_SERVE_ENV["MAX_MODEL_LEN"]),
+            "--no-enable-prefix-caching",
+            *("--host", "127.0.0.1", "--port", str(port)),
+            *extra_args,
+        ]
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": MAKE_SERVE_ENV["KV_CACHE_GIB"]}
+        self.process = subprocess.Popen(
+            command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        self.pids = [self.process.pid]
+
+    def wait_ready(self) -> None:
+        wait_for(self.process, f"{self.base_url}/health", "vllm serve")
+
+    def processes(self) -> dict[str, list[int]]:
+        return {"frontend": [self.process.pid], "engine": descendants(self.process.pid)}
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=60)
+
+
+def wait_for(process: subprocess.Popen[bytes], url: str, name: str) -> None:
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{name} exited during start (code {process.returncode})")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"{name} did not start in {START_TIMEOUT} s")

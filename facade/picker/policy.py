@@ -1,12 +1,15 @@
 """Which replica a keyed completion goes to: the one whose prefix cache holds its key, within a
 load bound.
 
-A key is remembered with the replicas it was sent to. A request goes to the least loaded of them
-while that one stays within the bound; past the bound it spills to the least loaded replica,
-which then holds the key too (a hot prefix ends up on several replicas). A key seen for the first
-time goes to the replica holding the fewest keys: the keys, and so the prefixes the replicas'
-caches must hold, are dealt out evenly, where hashing them would leave one replica with more
-than its share (with two replicas, two keys land on the same one half of the time).
+A key seen for the first time gets a home: the replica that is home to the fewest keys, so that
+the keys, and the prefixes the replicas' caches must hold, are dealt out evenly (hashing them
+would leave one replica with more than its share: with two replicas, two keys land on the same
+one half of the time). The key's requests then go home while home stays within the load bound,
+as Envoy's bounded-load hashing counts it; past the bound they spill, first to the replicas the
+key spilled to before (their caches may still hold it), else to the least loaded one, which is
+remembered for the next spill. A spill is temporary: the next request goes home again if home
+has room, so a key's prefix stays cached in one place and a hot key spreads only as far as
+its load needs.
 """
 
 from __future__ import annotations
@@ -31,9 +34,10 @@ class CacheAwarePolicy:
     def __init__(self, balance_factor: int, max_keys: int = DEFAULT_MAX_KEYS) -> None:
         self.balance_factor = balance_factor
         self.max_keys = max_keys
-        # (cluster, key) -> the replicas that were sent the key.
+        # (cluster, key) -> the replicas that were sent the key: its home first, then where it
+        # spilled, in order.
         self.holders: OrderedDict[tuple[str, str], list[str]] = OrderedDict()
-        self.keys_held: Counter[tuple[str, str]] = Counter()  # (cluster, host) -> keys
+        self.homes: Counter[tuple[str, str]] = Counter()  # (cluster, host) -> keys at home
 
     def choose(self, cluster: str, key: str, loads: Mapping[str, int]) -> list[str]:
         """The cluster's healthy replicas (HOST:PORT -> requests in flight) in the order to try
@@ -45,7 +49,7 @@ class CacheAwarePolicy:
         holders = [host for host in self.holders.get((cluster, key), []) if host in loads]
         within = [host for host in holders if loads[host] + 1 <= bound]
         if within:
-            chosen = min(within, key=lambda host: loads[host])
+            chosen = within[0]
         elif holders:
             chosen = min(loads, key=lambda host: loads[host])
         else:
@@ -53,7 +57,7 @@ class CacheAwarePolicy:
                 loads,
                 key=lambda host: (
                     loads[host] + 1 > bound,
-                    self.keys_held[(cluster, host)],
+                    self.homes[(cluster, host)],
                     loads[host],
                 ),
             )
@@ -65,16 +69,20 @@ class CacheAwarePolicy:
         holders = self.holders.setdefault((cluster, key), [])
         self.holders.move_to_end((cluster, key))
         if host not in holders:
+            if not holders:
+                self.homes[(cluster, host)] += 1
             holders.append(host)
-            self.keys_held[(cluster, host)] += 1
         while len(self.holders) > self.max_keys:
             (old_cluster, _), old_holders = self.holders.popitem(last=False)
-            for old_host in old_holders:
-                self.keys_held[(old_cluster, old_host)] -= 1
+            if old_holders:
+                self.homes[(old_cluster, old_holders[0])] -= 1
 
     def forget_replica(self, cluster: str, host: str) -> None:
-        """A replica left (drained, failed, restarted): its cache is gone or will be cold."""
+        """A replica left (drained, failed, restarted): its cache is gone or will be cold. Its
+        keys' next holders become their homes."""
         for (key_cluster, _), holders in self.holders.items():
             if key_cluster == cluster and host in holders:
+                if holders[0] == host and len(holders) > 1:
+                    self.homes[(cluster, holders[1])] += 1
                 holders.remove(host)
-        self.keys_held.pop((cluster, host), None)
+        self.homes.pop((cluster, host), None)

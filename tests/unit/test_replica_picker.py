@@ -37,14 +37,34 @@ def test_a_key_stays_on_its_replica_within_the_bound() -> None:
     assert first_picks(policy, ["key"] * 3, {home: 3, other: 1}) == [home] * 3
 
 
-def test_a_hot_key_spills_past_the_bound_and_then_has_two_homes() -> None:
+def test_a_hot_key_spills_past_the_bound_and_comes_home_when_there_is_room() -> None:
     policy = CacheAwarePolicy(balance_factor=125)
     (home,) = first_picks(policy, ["hot"], IDLE)
     other = B if home == A else A
     assert first_picks(policy, ["hot"], {home: 6, other: 0}) == [other]
-    # Both now hold it: it goes to the less loaded of the two.
-    assert first_picks(policy, ["hot"], {home: 1, other: 2}) == [home]
-    assert first_picks(policy, ["hot"], {home: 2, other: 1}) == [other]
+    # Home again as soon as it is within the bound (ceil(1.25 x 4 / 2) = 3), even if busier.
+    assert first_picks(policy, ["hot"], {home: 2, other: 1}) == [home]
+
+
+def test_a_spill_goes_where_the_key_spilled_before() -> None:
+    policy = CacheAwarePolicy(balance_factor=125)
+    c = "127.0.0.1:3"
+    (home,) = first_picks(policy, ["hot"], {A: 0, B: 0, c: 0})
+    first_spill = first_picks(policy, ["hot"], {A: 0, B: 0, c: 0} | {home: 9})[0]
+    # Later, with home full: the earlier spill replica, within the bound, though not the least
+    # loaded (ceil(1.25 x 13 / 3) = 6).
+    third = ({A, B, c} - {home, first_spill}).pop()
+    loads = {home: 9, first_spill: 3, third: 0}
+    assert first_picks(policy, ["hot"], loads) == [first_spill]
+
+
+def test_spills_do_not_count_as_homes() -> None:
+    policy = CacheAwarePolicy(balance_factor=125)
+    (home,) = first_picks(policy, ["hot"], IDLE)
+    other = B if home == A else A
+    first_picks(policy, ["hot"], {home: 6, other: 0})  # spilled to other
+    # The next new key still goes to the replica that is home to fewer keys.
+    assert first_picks(policy, ["new"], IDLE) == [other]
 
 
 def test_the_other_replicas_follow_for_retries_least_loaded_first() -> None:
@@ -58,14 +78,16 @@ def test_no_healthy_replica_leaves_the_choice_to_envoy() -> None:
     assert CacheAwarePolicy(balance_factor=125).choose("pool", "key", {}) == []
 
 
-def test_a_replica_that_left_loses_its_keys() -> None:
+def test_a_replica_that_left_hands_its_keys_to_their_next_holder() -> None:
     policy = CacheAwarePolicy(balance_factor=125)
     (home,) = first_picks(policy, ["key"], IDLE)
     other = B if home == A else A
     assert first_picks(policy, ["key"], {other: 0}) == [other]  # home unhealthy meanwhile
     policy.forget_replica("pool", home)
-    policy.forget_replica("pool", other)
-    assert policy.keys_held[("pool", home)] == 0
+    assert policy.holders[("pool", "key")] == [other]
+    assert policy.homes[("pool", other)] == 1 and policy.homes[("pool", home)] == 0
+    # Home back (restarted, cold): the key stays with its new home.
+    assert first_picks(policy, ["key"], IDLE) == [other]
 
 
 def test_pools_are_dealt_separately() -> None:
@@ -77,7 +99,7 @@ def test_the_least_recently_used_keys_are_forgotten() -> None:
     policy = CacheAwarePolicy(balance_factor=125, max_keys=2)
     first_picks(policy, ["k1", "k2", "k3"], IDLE)
     assert list(policy.holders) == [("pool", "k2"), ("pool", "k3")]
-    assert sum(policy.keys_held.values()) == 2
+    assert sum(policy.homes.values()) == 2
 
 
 def test_the_bound_is_envoys() -> None:

@@ -1,0 +1,324 @@
+"""Serving cost on the path users run (`make bench-frontend`): `make serve` against `vllm serve`.
+
+Both servers are started as a user comparing them would start them (bench/servers.py:
+MakeServe and VllmServe) on the frontend-heavy workload (a one-layer random-weight model, where
+the engine is cheap and the serving path's CPU shows). In each round vLLM is measured first
+(REST, with vLLM's own benchmark client), then our stack (REST through Envoy with the same
+client, then gRPC with a grpc.aio client of the same shape); the order of our variants rotates
+between rounds. Every figure of ours is a ratio to vLLM measured in the same round.
+
+CPU is read per process before and after each run: serving = the frontend process plus Envoy
+plus the supervisors `make serve` leaves running (make, facade.stack); engine = every process
+beneath the frontend (EngineCore and its worker). The load clients run in this process, pinned
+to the cores the engines' threads are not bound to, where the machine has any.
+
+Variants: `make serve` as it is, then one change each (--variants): the A/B of the factors on
+the path, and `stream_interval` N against `vllm serve --stream-interval N`.
+
+Usage: python -m bench.user_path [--rounds N] [--variants A;B;...] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.frontend_heavy import FRONTEND_HEAVY
+from bench.grpc_client import run_load
+from bench.run import MODEL, same_prompts, vllm_bench
+from bench.servers import MakeServe, VllmServe, cpu_seconds
+from bench.tiny_model import prepare_tiny_model, tiny_settings
+from bench.workloads import Workload
+
+WORKLOAD = FRONTEND_HEAVY[0]  # concurrency 64, 256 prompts, 32 in / 128 out, streaming
+WARMUP = Workload("warmup", concurrency=4, num_prompts=8, input_len=16, output_len=8)
+SERVING_ROLES = ("frontend", "envoy", "supervisor")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Our stack as `make serve` starts it, with one change; and the vLLM peer it is compared
+    with (`vllm serve` plus `vllm_args`)."""
+
+    engine_args: dict[str, Any] = field(default_factory=dict)  # ENGINE_ARGS, merged
+    env: dict[str, str] = field(default_factory=dict)
+    vllm_args: tuple[str, ...] = ()
+    pin_clients: bool = True
+
+
+def stream_interval(n: int) -> Variant:
+    return Variant(engine_args={"stream_interval": n}, vllm_args=("--stream-interval", str(n)))
+
+
+VARIANTS: dict[str, Variant] = {
+    "make serve": Variant(),
+    # The factors, one at a time.
+    "LOG_LEVEL=WARNING": Variant(env={"LOG_LEVEL": "WARNING"}),
+    "clients unpinned": Variant(pin_clients=False),
+    "MAX_IN_FLIGHT=256 MAX_WAITING=1024": Variant(
+        env={"MAX_IN_FLIGHT": "256", "MAX_WAITING": "1024"}
+    ),
+    # stream_interval: ours and vLLM's with the same N.
+    "stream_interval 4": stream_interval(4),
+    "stream_interval 16": stream_interval(16),
+}
+DEFAULT_VARIANTS = ("make serve",)
+
+
+def engine_cores(engine_pids: Sequence[int]) -> set[int]:
+    """The cores the engines' threads are bound to (none if they may run anywhere)."""
+    everywhere = os.sched_getaffinity(0) | set(range(os.cpu_count() or 1))
+    bound: set[int] = set()
+    for pid in engine_pids:
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            with contextlib.suppress(OSError):
+                cores = os.sched_getaffinity(int(task.name))
+                if cores != everywhere:
+                    bound |= cores
+    return bound
+
+
+@contextlib.contextmanager
+def clients_on(cores: set[int]) -> Iterator[None]:
+    """Every thread of this process (where the load clients run) on `cores` for the block;
+    threads started inside inherit it."""
+    tasks = [int(task.name) for task in Path("/proc/self/task").iterdir()]
+    saved = {task: os.sched_getaffinity(task) for task in tasks}
+    for task in tasks:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(task, cores)
+    try:
+        yield
+    finally:
+        for task, cores_before in saved.items():
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(task, cores_before)
+
+
+def cpu_by_role(roles: dict[str, list[int]]) -> dict[str, float]:
+    return {role: sum(cpu_seconds(pid) for pid in pids) for role, pids in roles.items()}
+
+
+def measured(
+    roles: dict[str, list[int]], client_cores: set[int] | None, run: Callable[[], dict]
+) -> dict[str, Any]:
+    """The run's throughput and latency, and CPU milliseconds per output token by role."""
+    before = cpu_by_role(roles)
+    with clients_on(client_cores) if client_cores else contextlib.nullcontext():
+        result = run()
+    after = cpu_by_role(roles)
+    tokens = max(result["total_output_tokens"], 1)
+    per_token = {role: (after[role] - before[role]) * 1000 / tokens for role in after}
+    per_token["serving"] = sum(per_token.get(role, 0.0) for role in SERVING_ROLES)
+    return {
+        "output_throughput": result["output_throughput"],
+        "median_ttft_ms": result["median_ttft_ms"],
+        "median_tpot_ms": result["median_tpot_ms"],
+        "messages_per_token": result.get("messages_per_token"),
+        "client_cores": sorted(client_cores) if client_cores else None,
+        "cpu_ms_per_token": per_token,
+    }
+
+
+def rest_load(base_url: str, endpoint: str, model_dir: Path) -> Callable[[], dict]:
+    return lambda: vllm_bench(base_url, endpoint, model_dir, WORKLOAD)
+
+
+def pinned_cores(roles: dict[str, list[int]], pin: bool) -> set[int] | None:
+    if not pin:
+        return None
+    free = os.sched_getaffinity(0) - engine_cores(roles["engine"])
+    return free or None
+
+
+def measure_vllm(model_dir: Path, variant: Variant) -> dict[str, Any]:
+    server = VllmServe(model_dir, MODEL, variant.vllm_args)
+    try:
+        server.wait_ready()
+        vllm_bench(server.base_url, "/v1/completions", model_dir, WARMUP)
+        roles = server.processes()
+        cores = pinned_cores(roles, variant.pin_clients)
+        return {
+            "rest": measured(roles, cores, rest_load(server.base_url, "/v1/completions", model_dir))
+        }
+    finally:
+        server.stop()
+
+
+def measure_ours(model_dir: Path, variant: Variant, log_path: Path) -> dict[str, Any]:
+    server = MakeServe(model_dir, MODEL, variant.engine_args, variant.env, log_path)
+    try:
+        server.wait_ready()
+        vllm_bench(server.base_url, "/v2/completions", model_dir, WARMUP)
+        roles = server.processes()
+        cores = pinned_cores(roles, variant.pin_clients)
+        prompts = same_prompts(model_dir, WORKLOAD)
+        grpc_load = lambda: asyncio.run(  # noqa: E731
+            run_load(server.grpc_target, MODEL, prompts, WORKLOAD.output_len, WORKLOAD.concurrency)
+        )
+        return {
+            "rest": measured(
+                roles, cores, rest_load(server.base_url, "/v2/completions", model_dir)
+            ),
+            "grpc": measured(roles, cores, grpc_load),
+        }
+    finally:
+        server.stop()
+
+
+def peer_key(variant: Variant) -> str:
+    """The vLLM run a variant is compared with: one per distinct set of vLLM flags."""
+    return "vllm serve " + " ".join(variant.vllm_args) if variant.vllm_args else "vllm serve"
+
+
+def one_round(
+    model_dir: Path, names: Sequence[str], round_index: int, logs: Path
+) -> dict[str, Any]:
+    """vLLM's runs first, then ours; the order of ours rotates by round."""
+    found: dict[str, Any] = {}
+    for name in names:
+        key = peer_key(VARIANTS[name])
+        if key not in found:
+            print(f"user path: round {round_index + 1}, {key}", flush=True)
+            found[key] = measure_vllm(model_dir, VARIANTS[name])
+    shift = round_index % len(names)
+    for name in [*names[shift:], *names[:shift]]:
+        print(f"user path: round {round_index + 1}, ours: {name}", flush=True)
+        log_path = logs / f"round{round_index + 1}-{name.replace(' ', '_')}.log"
+        found[name] = measure_ours(model_dir, VARIANTS[name], log_path)
+    return found
+
+
+def ratios(measured_round: dict[str, Any], name: str) -> dict[str, float]:
+    """Ours (this variant) over its vLLM peer of the same round, by path."""
+    peer = measured_round[peer_key(VARIANTS[name])]["rest"]
+    found = {}
+    for path in ("rest", "grpc"):
+        ours = measured_round[name][path]
+        found[f"{path} tok/s"] = ours["output_throughput"] / peer["output_throughput"]
+        found[f"{path} serving CPU"] = (
+            ours["cpu_ms_per_token"]["serving"] / peer["cpu_ms_per_token"]["serving"]
+        )
+    return found
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def summarize(rounds: Sequence[dict[str, Any]], names: Sequence[str]) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    for name in names:
+        per_round = [ratios(measured_round, name) for measured_round in rounds]
+        summary[name] = {
+            "ratios": {key: spread([r[key] for r in per_round]) for key in per_round[0]},
+            "cpu_ms_per_token": {
+                path: median_roles([r[name][path] for r in rounds]) for path in ("rest", "grpc")
+            },
+            "peer_cpu_ms_per_token": median_roles(
+                [r[peer_key(VARIANTS[name])]["rest"] for r in rounds]
+            ),
+        }
+    return summary
+
+
+def median_roles(runs: Sequence[dict[str, Any]]) -> dict[str, float]:
+    roles = runs[0]["cpu_ms_per_token"]
+    found = {
+        role: statistics.median(run["cpu_ms_per_token"][role] for run in runs) for role in roles
+    }
+    found["output_throughput"] = statistics.median(run["output_throughput"] for run in runs)
+    return found
+
+
+def cell(ratio: dict[str, float]) -> str:
+    return f"{ratio['median']:.2f}x ({ratio['min']:.2f}-{ratio['max']:.2f})"
+
+
+def markdown(summary: dict[str, Any], rounds: int) -> str:
+    w = WORKLOAD
+    lines = [
+        f"User path: `make serve` against `vllm serve`, a one-layer random-weight model, "
+        f"concurrency {w.concurrency}, {w.num_prompts} prompts, {w.input_len} in / "
+        f"{w.output_len} out tokens, streaming; {rounds} round(s). Ratios to `vllm serve` "
+        "(REST) in the same round, median (min-max). Serving CPU = frontend + Envoy + the "
+        "supervisors (make, facade.stack); CPU in ms per output token.",
+        "",
+        "| variant | REST tok/s | gRPC tok/s | REST serving CPU | gRPC serving CPU |",
+        "|---|---|---|---|---|",
+    ]
+    for name, found in summary.items():
+        r = found["ratios"]
+        lines.append(
+            f"| {name} | {cell(r['rest tok/s'])} | {cell(r['grpc tok/s'])} "
+            f"| {cell(r['rest serving CPU'])} | {cell(r['grpc serving CPU'])} |"
+        )
+    lines += [
+        "",
+        "Absolute, medians (ms of CPU per output token):",
+        "",
+        "| variant | run | tok/s | frontend | Envoy | supervisors | serving | engine |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, found in summary.items():
+        rows = {"vllm serve": found["peer_cpu_ms_per_token"], **found["cpu_ms_per_token"]}
+        for run, cpu in rows.items():
+            lines.append(
+                f"| {name} | {run} | {cpu['output_throughput']:.0f} | {cpu['frontend']:.3f} "
+                f"| {cpu.get('envoy', 0.0):.3f} | {cpu.get('supervisor', 0.0):.3f} "
+                f"| {cpu['serving']:.3f} | {cpu['engine']:.3f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--variants",
+        default=";".join(DEFAULT_VARIANTS),
+        help="';'-separated, of: " + "; ".join(VARIANTS) + " (or 'all')",
+    )
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--name", default="user-path", help="the results' file name")
+    args = parser.parse_args()
+    names = list(VARIANTS) if args.variants == "all" else args.variants.split(";")
+    unknown = [name for name in names if name not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variants {unknown}; known: {list(VARIANTS)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    model_dir = prepare_tiny_model()
+    logs = Path(tempfile.mkdtemp(prefix="bench-user-path-"))
+    print(f"user path: our stacks' output in {logs}", flush=True)
+    rounds, seconds = [], []
+    for round_index in range(args.rounds):
+        started = time.monotonic()
+        rounds.append(one_round(model_dir, names, round_index, logs))
+        seconds.append(time.monotonic() - started)
+    summary = summarize(rounds, names)
+    record = {
+        "workload": asdict(WORKLOAD),
+        "model": {"dir": str(model_dir), **tiny_settings()},
+        "variants": {name: asdict(VARIANTS[name]) for name in names},
+        "round_seconds": seconds,
+        "summary": summary,
+        "rounds": rounds,
+    }
+    (args.out / f"{args.name}.json").write_text(json.dumps(record, indent=2))
+    report = markdown(summary, args.rounds)
+    (args.out / f"{args.name}.md").write_text(report)
+    print(report)
+
+
+if __name__ == "__main__":
+    main()
