@@ -261,10 +261,14 @@ def add_replica_picker(config: dict[str, Any], socket_path: str) -> None:
     )
     filters = http_filters(config)
     after_key = [f["name"] for f in filters].index(ROUTING_FILTER) + 1
-    skip = {
+    # The request's headers, to pick; the response's trailers (gRPC's, before the transcoder
+    # on the way back, so REST calls have them too) keep the picker's call open until the
+    # request ends, which is how the picker counts each replica's requests in flight.
+    processing_mode = {
+        "request_header_mode": "SEND",
         "response_header_mode": "SKIP",
         "request_trailer_mode": "SKIP",
-        "response_trailer_mode": "SKIP",
+        "response_trailer_mode": "SEND",
         "request_body_mode": "NONE",
         "response_body_mode": "NONE",
     }
@@ -278,7 +282,7 @@ def add_replica_picker(config: dict[str, Any], socket_path: str) -> None:
                 "grpc_service": {"envoy_grpc": {"cluster_name": PICKER_CLUSTER}},
                 "failure_mode_allow": True,
                 "message_timeout": PICKER_TIMEOUT,
-                "processing_mode": {"request_header_mode": "SEND", **skip},
+                "processing_mode": processing_mode,
             },
         },
     )

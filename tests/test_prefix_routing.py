@@ -107,7 +107,7 @@ def facade(replicas: list[TestStack]) -> Iterator[Fleet]:
             assert time.monotonic() < deadline, "Envoy never saw the replicas healthy"
             time.sleep(0.5)
         # Envoy's worker threads receive the new host set (and rebuild the hash ring) shortly
-        # after the admin interface shows it; the picker reads it every 50 ms.
+        # after the admin interface shows it; the picker reads it every 250 ms.
         time.sleep(RING_SETTLE_SECONDS)
         yield running
     finally:

@@ -1,10 +1,11 @@
-"""The replicas as Envoy sees them: which are healthy and how many requests each has in flight,
-read from Envoy's admin `/clusters` (one `cluster::host::stat::value` line per fact)."""
+"""The replicas: which are healthy, as Envoy's admin `/clusters` shows them (one
+`cluster::host::stat::value` line per fact), and how many keyed requests each has in flight, as
+the picker counts them (from its pick to the end of the request)."""
 
 from __future__ import annotations
 
 import urllib.request
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 HEALTHY_FLAGS = "healthy"
@@ -43,12 +44,14 @@ def read_clusters(admin_url: str, timeout: float = 5.0) -> Clusters:
 
 @dataclass
 class FleetView:
-    """The last reading of Envoy's view, plus the requests sent since, which the reading does
-    not count yet: several requests picked between two readings must not all see the same
-    idle replica."""
+    """The last reading of Envoy's view, and the keyed requests in flight on each replica.
+
+    In flight is counted here, not read from Envoy: a reading is up to an interval old, and
+    a client that sends its next request as soon as one ends would find the ended one still
+    counted, and its key spilled for it."""
 
     clusters: Clusters = field(default_factory=dict)
-    sent_since: dict[tuple[str, str], int] = field(default_factory=dict)
+    in_flight: Counter[tuple[str, str]] = field(default_factory=Counter)
 
     def update(self, clusters: Clusters) -> set[tuple[str, str]]:
         """Takes a new reading; returns the (cluster, host) pairs that stopped being healthy."""
@@ -59,16 +62,18 @@ class FleetView:
             if replica.healthy and not clusters.get(cluster, {}).get(host, Replica()).healthy
         }
         self.clusters = clusters
-        self.sent_since = {}
         return lost
 
     def loads(self, cluster: str) -> dict[str, int]:
-        """The cluster's healthy replicas and their requests in flight."""
+        """The cluster's healthy replicas and their keyed requests in flight."""
         return {
-            host: replica.in_flight + self.sent_since.get((cluster, host), 0)
+            host: self.in_flight[(cluster, host)]
             for host, replica in self.clusters.get(cluster, {}).items()
             if replica.healthy
         }
 
-    def sent(self, cluster: str, host: str) -> None:
-        self.sent_since[(cluster, host)] = self.sent_since.get((cluster, host), 0) + 1
+    def started(self, cluster: str, host: str) -> None:
+        self.in_flight[(cluster, host)] += 1
+
+    def ended(self, cluster: str, host: str) -> None:
+        self.in_flight[(cluster, host)] -= 1

@@ -38,6 +38,7 @@ class CacheAwarePolicy:
         # spilled, in order.
         self.holders: OrderedDict[tuple[str, str], list[str]] = OrderedDict()
         self.homes: Counter[tuple[str, str]] = Counter()  # (cluster, host) -> keys at home
+        self.decisions: Counter[str] = Counter()  # home, spilled, new key: for the log
 
     def choose(self, cluster: str, key: str, loads: Mapping[str, int]) -> list[str]:
         """The cluster's healthy replicas (HOST:PORT -> requests in flight) in the order to try
@@ -50,9 +51,12 @@ class CacheAwarePolicy:
         within = [host for host in holders if loads[host] + 1 <= bound]
         if within:
             chosen = within[0]
+            self.decisions["home" if chosen == holders[0] else "spilled"] += 1
         elif holders:
             chosen = min(loads, key=lambda host: loads[host])
+            self.decisions["spilled"] += 1
         else:
+            self.decisions["new key"] += 1
             chosen = min(
                 loads,
                 key=lambda host: (

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -22,7 +23,8 @@ from facade.picker import CLUSTER_METADATA, REPLICA_HEADER
 from facade.picker.fleet import FleetView, read_clusters
 from facade.picker.policy import CacheAwarePolicy
 
-READ_EVERY_SECONDS = 0.05
+READ_EVERY_SECONDS = 0.25  # health changes at Envoy's 2 s health checks
+REPORT_EVERY_SECONDS = 60
 logger = logging.getLogger("facade.picker")
 
 
@@ -48,7 +50,14 @@ def replica_response(replicas: list[str]) -> ext_proc.ProcessingResponse:
     return response
 
 
+CONTINUE_TRAILERS = ext_proc.ProcessingResponse(response_trailers=ext_proc.TrailersResponse())
+
+
 class ReplicaPicker(ext_proc_grpc.ExternalProcessorServicer):
+    """One call per keyed request: Envoy sends its headers, which the picker answers with the
+    replicas to try, and later the response's trailers, which keep the call open until the
+    request ends (or it is cancelled): the pick counts as load on its replica until then."""
+
     def __init__(self, policy: CacheAwarePolicy, fleet: FleetView) -> None:
         self.policy = policy
         self.fleet = fleet
@@ -59,23 +68,41 @@ class ReplicaPicker(ext_proc_grpc.ExternalProcessorServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[ext_proc.ProcessingResponse]:
         cluster = dict(context.invocation_metadata() or ()).get(CLUSTER_METADATA)
-        async for request in request_iterator:
-            if request.WhichOneof("request") != "request_headers":
-                continue  # Envoy is configured to send nothing else
-            key = header_value(request.request_headers, PREFIX_HEADER)
-            replicas = self.pick(str(cluster), key) if cluster and key else []
-            yield replica_response(replicas)
+        picked: str | None = None
+        try:
+            async for request in request_iterator:
+                if request.WhichOneof("request") == "request_headers":
+                    key = header_value(request.request_headers, PREFIX_HEADER)
+                    replicas = self.pick(str(cluster), key) if cluster and key else []
+                    if replicas:
+                        picked = replicas[0]
+                        self.fleet.started(str(cluster), picked)
+                    yield replica_response(replicas)
+                else:  # the response's trailers: the only other part Envoy sends
+                    yield CONTINUE_TRAILERS
+        finally:
+            if picked is not None:
+                self.fleet.ended(str(cluster), picked)
 
     def pick(self, cluster: str, key: str) -> list[str]:
-        replicas = self.policy.choose(cluster, key, self.fleet.loads(cluster))
-        if replicas:
-            self.fleet.sent(cluster, replicas[0])
-        return replicas
+        return self.policy.choose(cluster, key, self.fleet.loads(cluster))
+
+
+def report(policy: CacheAwarePolicy) -> None:
+    """One line on what the picker decided since the last one, if it decided anything."""
+    if policy.decisions:
+        counts = ", ".join(f"{n} {kind}" for kind, n in sorted(policy.decisions.items()))
+        logger.info("picks in the last %d s: %s", REPORT_EVERY_SECONDS, counts)
+        policy.decisions.clear()
 
 
 async def follow_envoy(admin_url: str, fleet: FleetView, policy: CacheAwarePolicy) -> None:
     """Keeps the fleet's view current; a replica that stops being healthy is forgotten."""
+    next_report = time.monotonic() + REPORT_EVERY_SECONDS
     while True:
+        if time.monotonic() >= next_report:
+            report(policy)
+            next_report += REPORT_EVERY_SECONDS
         try:
             clusters = await asyncio.to_thread(read_clusters, admin_url, 1.0)
         except OSError:

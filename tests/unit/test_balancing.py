@@ -71,11 +71,10 @@ def test_envoy_asks_the_picker_after_the_key_is_set_and_fails_open() -> None:
     assert names.index(balancing.PICKER_FILTER) < names.index("envoy.filters.http.router")
     picker = envoy_config.filter_config(config, balancing.PICKER_FILTER)
     assert picker["failure_mode_allow"] is True
-    assert picker["processing_mode"]["request_header_mode"] == "SEND"
-    assert {picker["processing_mode"][m] for m in picker["processing_mode"]} - {"SEND"} <= {
-        "SKIP",
-        "NONE",
-    }
+    # The request's headers (to pick) and the response's trailers (the request's end), only.
+    sent = {part for part, mode in picker["processing_mode"].items() if mode == "SEND"}
+    assert sent == {"request_header_mode", "response_trailer_mode"}
+    assert set(picker["processing_mode"].values()) <= {"SEND", "SKIP", "NONE"}
     socket = clusters(config)["replica_picker"]["load_assignment"]["endpoints"][0]
     assert socket["lb_endpoints"][0]["endpoint"]["address"] == {"pipe": {"path": str(SOCKET)}}
     # The picker is no replica: no twin, and TLS to replicas does not apply to it.

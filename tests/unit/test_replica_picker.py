@@ -4,12 +4,15 @@ the answer as Envoy's override-host balancing reads it."""
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
+from collections.abc import AsyncIterator
+from unittest import mock
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 
-from facade.picker import REPLICA_HEADER
+from facade.picker import CLUSTER_METADATA, REPLICA_HEADER
 from facade.picker.fleet import FleetView, Replica, parse_clusters
 from facade.picker.policy import CacheAwarePolicy, load_bound
 from facade.picker.server import ReplicaPicker, header_value, replica_response
@@ -128,11 +131,14 @@ def test_envoys_admin_view_is_read() -> None:
     }
 
 
-def test_requests_sent_since_the_last_reading_count_as_load() -> None:
+def test_keyed_requests_count_as_load_from_pick_to_end_on_healthy_replicas() -> None:
     fleet = FleetView()
     assert fleet.update(parse_clusters(ADMIN_CLUSTERS)) == set()
-    fleet.sent("completion_service_prefix", A)
-    assert fleet.loads("completion_service_prefix") == {A: 4}  # B is not healthy
+    fleet.started("completion_service_prefix", A)
+    fleet.started("completion_service_prefix", A)
+    fleet.ended("completion_service_prefix", A)
+    # Envoy's own rq_active (3, up to a reading old) is not used; B is not healthy.
+    assert fleet.loads("completion_service_prefix") == {A: 1}
     lost = fleet.update({"completion_service_prefix": {A: Replica(False, 0)}})
     assert lost == {("completion_service_prefix", A)}
     assert fleet.loads("completion_service_prefix") == {}
@@ -167,12 +173,41 @@ def test_header_values_are_read_raw_or_plain() -> None:
     assert header_value(plain, "x-b") is None
 
 
-def test_a_pick_counts_as_load_until_envoys_next_reading() -> None:
-    fleet = FleetView()
-    fleet.update({"c": {A: Replica(True, 0), B: Replica(True, 0)}})
-    picker = ReplicaPicker(CacheAwarePolicy(balance_factor=100), fleet)
-    # The same new key twice before Envoy's view shows either: the first pick loads its
-    # replica, so the second (past a bound of the average) goes to the other.
-    first = picker.pick("c", "key")[0]
-    assert fleet.loads("c") == {first: 1, (B if first == A else A): 0}
-    assert picker.pick("c", "key")[0] != first
+async def envoy_call(
+    picker: ReplicaPicker, key: str, ended: asyncio.Event
+) -> list[ext_proc.ProcessingResponse]:
+    """One keyed request as Envoy sends it: headers, then (once `ended` is set) trailers."""
+
+    async def messages() -> AsyncIterator[ext_proc.ProcessingRequest]:
+        yield ext_proc.ProcessingRequest(request_headers=headers(**{"x-prefix-key": key}))
+        await ended.wait()
+        yield ext_proc.ProcessingRequest(response_trailers=ext_proc.HttpTrailers())
+
+    context = mock.Mock()
+    context.invocation_metadata.return_value = ((CLUSTER_METADATA, "c"),)
+    return [response async for response in picker.Process(messages(), context)]
+
+
+def test_a_pick_counts_as_load_until_its_request_ends() -> None:
+    async def scenario() -> None:
+        fleet = FleetView()
+        fleet.update({"c": {A: Replica(True, 0), B: Replica(True, 0)}})
+        picker = ReplicaPicker(CacheAwarePolicy(balance_factor=100), fleet)
+        ended = asyncio.Event()
+        call = asyncio.create_task(envoy_call(picker, "key", ended))
+        while sum(fleet.loads("c").values()) == 0:
+            await asyncio.sleep(0.001)
+        (first,) = [host for host, load in fleet.loads("c").items() if load == 1]
+        # The same key again while the first request runs: past a bound of the average, so
+        # it goes to the other replica.
+        second_ended = asyncio.Event()
+        second_ended.set()
+        (picked, trailers) = await envoy_call(picker, "key", second_ended)
+        mutation = picked.request_headers.response.header_mutation.set_headers[0]
+        assert mutation.header.raw_value.decode().split(",")[0] != first
+        assert trailers.HasField("response_trailers")
+        ended.set()
+        await call
+        assert fleet.loads("c") == {A: 0, B: 0}
+
+    asyncio.run(scenario())
