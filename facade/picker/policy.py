@@ -24,10 +24,11 @@ DEFAULT_MAX_KEYS = 100_000
 
 
 def load_bound(loads: Mapping[str, int], balance_factor: int) -> int:
-    """Most requests in flight a replica may have after taking one more: `balance_factor`
-    percent of the average, as Envoy's bounded-load hashing counts it."""
-    total = sum(loads.values()) + 1
-    return math.ceil(balance_factor * total / (100 * len(loads)))
+    """Most requests in flight a replica may have and still take one more, as Envoy's
+    bounded-load hashing counts it: its share of `balance_factor` percent of all requests in
+    flight plus this one, rounded up twice."""
+    slots = math.ceil((sum(loads.values()) + 1) * balance_factor / 100)
+    return math.ceil(slots / len(loads))
 
 
 class CacheAwarePolicy:
@@ -48,7 +49,7 @@ class CacheAwarePolicy:
             return []
         bound = load_bound(loads, self.balance_factor)
         holders = [host for host in self.holders.get((cluster, key), []) if host in loads]
-        within = [host for host in holders if loads[host] + 1 <= bound]
+        within = [host for host in holders if loads[host] <= bound]
         if within:
             chosen = within[0]
             self.decisions["home" if chosen == holders[0] else "spilled"] += 1
@@ -60,7 +61,7 @@ class CacheAwarePolicy:
             chosen = min(
                 loads,
                 key=lambda host: (
-                    loads[host] + 1 > bound,
+                    loads[host] > bound,
                     self.homes[(cluster, host)],
                     loads[host],
                 ),

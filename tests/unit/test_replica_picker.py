@@ -36,7 +36,7 @@ def test_a_key_stays_on_its_replica_within_the_bound() -> None:
     policy = CacheAwarePolicy(balance_factor=125)
     (home,) = first_picks(policy, ["key"], IDLE)
     other = B if home == A else A
-    # Its replica busier, but within 125% of the average (ceil(1.25 x 5 / 2) = 4).
+    # Its replica busier, but within its bound (ceil(ceil(1.25 x 5) / 2) = 4).
     assert first_picks(policy, ["key"] * 3, {home: 3, other: 1}) == [home] * 3
 
 
@@ -45,7 +45,7 @@ def test_a_hot_key_spills_past_the_bound_and_comes_home_when_there_is_room() -> 
     (home,) = first_picks(policy, ["hot"], IDLE)
     other = B if home == A else A
     assert first_picks(policy, ["hot"], {home: 6, other: 0}) == [other]
-    # Home again as soon as it is within the bound (ceil(1.25 x 4 / 2) = 3), even if busier.
+    # Home again as soon as it is within the bound (ceil(ceil(1.25 x 4) / 2) = 3), though busier.
     assert first_picks(policy, ["hot"], {home: 2, other: 1}) == [home]
 
 
@@ -55,7 +55,7 @@ def test_a_spill_goes_where_the_key_spilled_before() -> None:
     (home,) = first_picks(policy, ["hot"], {A: 0, B: 0, c: 0})
     first_spill = first_picks(policy, ["hot"], {A: 0, B: 0, c: 0} | {home: 9})[0]
     # Later, with home full: the earlier spill replica, within the bound, though not the least
-    # loaded (ceil(1.25 x 13 / 3) = 6).
+    # loaded (ceil(ceil(1.25 x 13) / 3) = 6).
     third = ({A, B, c} - {home, first_spill}).pop()
     loads = {home: 9, first_spill: 3, third: 0}
     assert first_picks(policy, ["hot"], loads) == [first_spill]
@@ -194,20 +194,21 @@ def test_a_pick_counts_as_load_until_its_request_ends() -> None:
         fleet.update({"c": {A: Replica(True, 0), B: Replica(True, 0)}})
         picker = ReplicaPicker(CacheAwarePolicy(balance_factor=100), fleet)
         ended = asyncio.Event()
-        call = asyncio.create_task(envoy_call(picker, "key", ended))
-        while sum(fleet.loads("c").values()) == 0:
+        # Three requests of one key in flight: all at home (a bound of the average lets a
+        # replica hold up to ceil((all + 1) / 2) before it takes one more).
+        calls = [asyncio.create_task(envoy_call(picker, "key", ended)) for _ in range(3)]
+        while sum(fleet.loads("c").values()) < 3:
             await asyncio.sleep(0.001)
-        (first,) = [host for host, load in fleet.loads("c").items() if load == 1]
-        # The same key again while the first request runs: past a bound of the average, so
-        # it goes to the other replica.
-        second_ended = asyncio.Event()
-        second_ended.set()
-        (picked, trailers) = await envoy_call(picker, "key", second_ended)
+        (home,) = [host for host, load in fleet.loads("c").items() if load == 3]
+        # A fourth while they run: past the bound, so it goes to the other replica.
+        done = asyncio.Event()
+        done.set()
+        (picked, trailers) = await envoy_call(picker, "key", done)
         mutation = picked.request_headers.response.header_mutation.set_headers[0]
-        assert mutation.header.raw_value.decode().split(",")[0] != first
+        assert mutation.header.raw_value.decode().split(",")[0] != home
         assert trailers.HasField("response_trailers")
         ended.set()
-        await call
+        await asyncio.gather(*calls)
         assert fleet.loads("c") == {A: 0, B: 0}
 
     asyncio.run(scenario())
