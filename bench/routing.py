@@ -49,8 +49,10 @@ POLICY_CLUSTERS = {
     "prefix-hash": "completion_service_prefix",
     "prefix": "completion_service_prefix",
 }
-# About 4.7 prefixes of 1,000 tokens per replica (46 KiB a token): 8 do not fit in one, do in two.
-KV_CACHE_GIB = 0.21
+# About 4.3 prefixes of 1,000 tokens per replica (46 KiB a token): 8 do not fit in one, do in
+# two, with little room to spare (0.21 GiB, 4.7 prefixes, left least request holding more than
+# half of them: BENCHMARKS.md, "Routing").
+KV_CACHE_GIB = 0.19
 MAX_MODEL_LEN = 2048
 START_TIMEOUT = 900
 PREFIX_TOKENS = 1000
@@ -194,14 +196,16 @@ def run_once(fleet: Fleet, policy: str, workload: Workload, chosen: list[str]) -
 
 
 @contextmanager
-def fleet_running(model_dir: Path, log_dir: Path, balance_args: list[str]) -> Iterator[Fleet]:
+def fleet_running(
+    model_dir: Path, log_dir: Path, balance_args: list[str], kv_cache_gib: float
+) -> Iterator[Fleet]:
     metrics_ports = [free_port(), free_port()]
     replicas = [
         TestStack(
             grpc_port=free_port(),
             service_args=[
                 *("--model", str(model_dir), "--served-model-name", DEFAULT_SERVED_MODEL_NAME),
-                *("--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-gib", str(KV_CACHE_GIB)),
+                *("--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-gib", str(kv_cache_gib)),
                 *("--cpu-cores", str(core), "--metrics-port", str(metrics_ports[core])),
                 *("--max-in-flight", "64", "--max-waiting", "256"),
             ],
@@ -356,6 +360,12 @@ def main() -> None:
     parser.add_argument(
         "--balance-factor", help="the keyed Envoys' load bound (default: facade.launch's)"
     )
+    parser.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=KV_CACHE_GIB,
+        help=f"each replica's KV cache (default {KV_CACHE_GIB})",
+    )
     args = parser.parse_args()
     balance_args = ["--balance-factor", args.balance_factor] if args.balance_factor else []
     args.out.mkdir(parents=True, exist_ok=True)
@@ -366,7 +376,7 @@ def main() -> None:
     }
     logs = Path(tempfile.mkdtemp(prefix="bench-routing-"))
     print(f"replica logs in {logs}", flush=True)
-    with fleet_running(model_dir, logs, balance_args) as fleet:
+    with fleet_running(model_dir, logs, balance_args, args.kv_cache_gib) as fleet:
         for round_index in range(args.rounds):
             for workload in WORKLOADS:
                 # Which policy goes first alternates by round; each run has prefixes of its own.
@@ -386,7 +396,7 @@ def main() -> None:
     met = targets(table)
     document = {
         "settings": {
-            "kv_cache_gib": KV_CACHE_GIB,
+            "kv_cache_gib": args.kv_cache_gib,
             "prefix_tokens": PREFIX_TOKENS,
             "output_tokens": OUTPUT_TOKENS,
             "workloads": [asdict(w) for w in WORKLOADS],

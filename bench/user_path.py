@@ -33,7 +33,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.frontend_heavy import FRONTEND_HEAVY
+from bench.frontend_heavy import FRONTEND_HEAVY, spread
+from bench.frontend_heavy import ratio_cell as cell
 from bench.grpc_client import run_load
 from bench.run import MODEL, same_prompts, vllm_bench
 from bench.servers import MakeServe, VllmServe, cpu_seconds
@@ -212,10 +213,6 @@ def ratios(measured_round: dict[str, Any], name: str) -> dict[str, float]:
     return found
 
 
-def spread(values: Sequence[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def summarize(rounds: Sequence[dict[str, Any]], names: Sequence[str]) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     for name in names:
@@ -239,10 +236,6 @@ def median_roles(runs: Sequence[dict[str, Any]]) -> dict[str, float]:
     }
     found["output_throughput"] = statistics.median(run["output_throughput"] for run in runs)
     return found
-
-
-def cell(ratio: dict[str, float]) -> str:
-    return f"{ratio['median']:.2f}x ({ratio['min']:.2f}-{ratio['max']:.2f})"
 
 
 def markdown(summary: dict[str, Any], rounds: int) -> str:
