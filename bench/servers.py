@@ -150,6 +150,10 @@ class OurStack:
     def wait_ready(self) -> None:
         self.stack.wait_ready(START_TIMEOUT)
 
+    def processes(self) -> dict[str, list[int]]:
+        service, envoy = self.stack.processes
+        return {"frontend": [service.pid], "envoy": [envoy.pid], "engine": descendants(service.pid)}
+
     def stop(self) -> None:
         self.stack.stop()
 

@@ -37,7 +37,7 @@ from bench.frontend_heavy import FRONTEND_HEAVY, spread
 from bench.frontend_heavy import ratio_cell as cell
 from bench.grpc_client import run_load
 from bench.run import MODEL, same_prompts, vllm_bench
-from bench.servers import MakeServe, VllmServe, cpu_seconds
+from bench.servers import MakeServe, OurStack, VllmServe, cpu_seconds
 from bench.tiny_model import prepare_tiny_model, tiny_settings
 from bench.workloads import Workload
 
@@ -55,6 +55,11 @@ class Variant:
     env: dict[str, str] = field(default_factory=dict)
     vllm_args: tuple[str, ...] = ()
     pin_clients: bool = True
+    # Our stack as the test harness starts it (flags, its own limits, output to /dev/null)
+    # instead of `make serve`: the path BENCHMARKS.md's same-flags table measured.
+    harness: bool = False
+    # make serve's output to /dev/null, as the harness sends it (else to a file per run).
+    output_discarded: bool = False
 
 
 def stream_interval(n: int) -> Variant:
@@ -69,6 +74,8 @@ VARIANTS: dict[str, Variant] = {
     "MAX_IN_FLIGHT=256 MAX_WAITING=1024": Variant(
         env={"MAX_IN_FLIGHT": "256", "MAX_WAITING": "1024"}
     ),
+    "test harness": Variant(harness=True),
+    "output to /dev/null": Variant(output_discarded=True),
     # stream_interval: ours and vLLM's with the same N.
     "stream_interval 4": stream_interval(4),
     "stream_interval 16": stream_interval(16),
@@ -157,7 +164,17 @@ def measure_vllm(model_dir: Path, variant: Variant) -> dict[str, Any]:
 
 
 def measure_ours(model_dir: Path, variant: Variant, log_path: Path) -> dict[str, Any]:
-    server = MakeServe(model_dir, MODEL, variant.engine_args, variant.env, log_path)
+    server: MakeServe | OurStack = (
+        OurStack(model_dir, MODEL)
+        if variant.harness
+        else MakeServe(
+            model_dir,
+            MODEL,
+            variant.engine_args,
+            variant.env,
+            Path(os.devnull) if variant.output_discarded else log_path,
+        )
+    )
     try:
         server.wait_ready()
         vllm_bench(server.base_url, "/v2/completions", model_dir, WARMUP)
