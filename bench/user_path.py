@@ -10,7 +10,8 @@ between rounds. Every figure of ours is a ratio to vLLM measured in the same rou
 CPU is read per process before and after each run: serving = the frontend process plus Envoy
 plus the supervisors `make serve` leaves running (make, facade.stack); engine = every process
 beneath the frontend (EngineCore and its worker). The load clients run in this process, pinned
-to the cores the engines' threads are not bound to, where the machine has any.
+to the cores the engines' threads are not bound to, where the machine has any; their own CPU
+per token is reported too (this process's CPU time over the run).
 
 Variants: `make serve` as it is, then one change each (--variants): the A/B of the factors on
 the path, and `stream_interval` N against `vllm serve --stream-interval N`.
@@ -121,10 +122,10 @@ def measured(
     roles: dict[str, list[int]], client_cores: set[int] | None, run: Callable[[], dict]
 ) -> dict[str, Any]:
     """The run's throughput and latency, and CPU milliseconds per output token by role."""
-    before = cpu_by_role(roles)
+    before = {**cpu_by_role(roles), "client": time.process_time()}
     with clients_on(client_cores) if client_cores else contextlib.nullcontext():
         result = run()
-    after = cpu_by_role(roles)
+    after = {**cpu_by_role(roles), "client": time.process_time()}
     tokens = max(result["total_output_tokens"], 1)
     per_token = {role: (after[role] - before[role]) * 1000 / tokens for role in after}
     per_token["serving"] = sum(per_token.get(role, 0.0) for role in SERVING_ROLES)
@@ -275,10 +276,12 @@ def markdown(summary: dict[str, Any], rounds: int) -> str:
         )
     lines += [
         "",
-        "Absolute, medians (ms of CPU per output token):",
+        "Absolute, medians (ms of CPU per output token; engine cores busy = the engine "
+        "processes' CPU seconds per second of the run):",
         "",
-        "| variant | run | tok/s | frontend | Envoy | supervisors | serving | engine |",
-        "|---|---|---|---|---|---|---|---|",
+        "| variant | run | tok/s | frontend | Envoy | supervisors | serving | engine "
+        "| engine cores busy | load client |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, found in summary.items():
         rows = {"vllm serve": found["peer_cpu_ms_per_token"], **found["cpu_ms_per_token"]}
@@ -286,7 +289,9 @@ def markdown(summary: dict[str, Any], rounds: int) -> str:
             lines.append(
                 f"| {name} | {run} | {cpu['output_throughput']:.0f} | {cpu['frontend']:.3f} "
                 f"| {cpu.get('envoy', 0.0):.3f} | {cpu.get('supervisor', 0.0):.3f} "
-                f"| {cpu['serving']:.3f} | {cpu['engine']:.3f} |"
+                f"| {cpu['serving']:.3f} | {cpu['engine']:.3f} "
+                f"| {cpu['engine'] * cpu['output_throughput'] / 1000:.2f} "
+                f"| {cpu.get('client', 0.0):.3f} |"
             )
     return "\n".join(lines) + "\n"
 
