@@ -221,7 +221,7 @@ class MakeServe:
             # A terminal of its own, as a user runs it (Linux schedules a session's processes
             # as one group against other sessions: sched_autogroup), else a process group.
             start_new_session=own_session,
-            process_group=None if own_session else 0,
+            preexec_fn=None if own_session else os.setpgrp,
         )
         self.pids = [self.process.pid]
 
