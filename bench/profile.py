@@ -41,7 +41,7 @@ import psutil
 from bench import frontend_heavy
 from bench.grpc_client import run_load
 from bench.run import MODEL, same_prompts, vllm_bench
-from bench.servers import OurStack, VllmOpenAIServer
+from bench.servers import OurStack, VllmOpenAIServer, cpu_seconds
 from bench.spy_summary import summarize_stacks
 from bench.tiny_model import prepare_tiny_model, tiny_settings
 from bench.workloads import Workload
@@ -90,11 +90,7 @@ class Roles:
 
 
 def cpu(process: psutil.Process) -> float:
-    try:
-        times = process.cpu_times()
-    except psutil.NoSuchProcess:
-        return 0.0
-    return times.user + times.system
+    return cpu_seconds(process.pid)
 
 
 def measured(roles: Roles, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:

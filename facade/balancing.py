@@ -43,6 +43,7 @@ from facade.picker import CLUSTER_METADATA, REPLICA_HEADER
 ROUTING_LUA_FILE = FACADE_DIR / "routing.lua"
 BALANCE_POLICIES = ("prefix", "prefix-hash", "least-request")
 PREFIX_HEADER = "x-prefix-key"
+TWIN_SUFFIX = "_prefix"  # a cluster's twin balanced by key
 EXTRACTION = "envoy.filters.http.grpc_field_extraction"
 ROUTING_FILTER = "llmcompletions.routing"
 PICKER_FILTER = "llmcompletions.replica_picker"
@@ -162,10 +163,15 @@ def picked_policy(fallback: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def twin_name(cluster: str) -> str:
+    """The name of a cluster's twin balanced by key."""
+    return f"{cluster}{TWIN_SUFFIX}"
+
+
 def prefix_cluster(cluster: dict[str, Any], affinity: PrefixAffinity) -> dict[str, Any]:
     """The same replicas, health checks and outlier detection, balanced by key."""
     twin = copy.deepcopy(cluster)
-    twin["name"] = f"{cluster['name']}_prefix"
+    twin["name"] = twin_name(cluster["name"])
     twin["load_assignment"]["cluster_name"] = twin["name"]
     hashed = ring_hash_policy(affinity)
     twin["load_balancing_policy"] = {
@@ -191,7 +197,7 @@ def keyed_route(route: dict[str, Any]) -> dict[str, Any]:
         *keyed["match"].get("headers", []),
         {"name": PREFIX_HEADER, "present_match": True},
     ]
-    keyed["route"]["cluster"] = f"{route['route']['cluster']}_prefix"
+    keyed["route"]["cluster"] = twin_name(route["route"]["cluster"])
     keyed["route"]["hash_policy"] = [{"header": {"header_name": PREFIX_HEADER}}]
     retries = keyed["route"].get("retry_policy")
     if retries is not None:
@@ -223,7 +229,7 @@ def add_prefix_affinity(config: dict[str, Any], affinity: PrefixAffinity) -> Non
 def picker_route_config(route: dict[str, Any]) -> dict[str, Any]:
     """Keyed routes tell the picker their cluster; other calls skip it."""
     cluster = route.get("route", {}).get("cluster", "")
-    keyed = cluster.endswith("_prefix")
+    keyed = cluster.endswith(TWIN_SUFFIX)
     per_route: dict[str, Any] = {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
     }

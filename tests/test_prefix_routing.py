@@ -26,6 +26,7 @@ import psutil
 import pytest
 from llmcompletions.v2 import completions_pb2_grpc
 
+from facade.picker import REPLICA_HEADER
 from tests.conftest import ENGINE_START_TIMEOUT, SMALL_ENGINE
 from tests.helpers import body, grpc_request
 from tests.processes import TestStack, free_port, healthy_upstreams
@@ -139,9 +140,13 @@ def shared_prefix(label: str) -> str:
     return f"[{label} {uuid.uuid4()}] " + " ".join(f"Rule {i}: answer briefly." for i in range(30))
 
 
-def rest_call(fleet: Fleet, **fields: Any) -> tuple[str, dict[str, Any]]:
+def rest_call(
+    fleet: Fleet, headers: dict[str, str] | None = None, **fields: Any
+) -> tuple[str, dict[str, Any]]:
     """(the replica that served it, the reply)."""
-    reply = httpx.post(f"{fleet.base_url}/v2/completions", json=body(**fields), timeout=120)
+    reply = httpx.post(
+        f"{fleet.base_url}/v2/completions", json=body(**fields), headers=headers, timeout=120
+    )
     assert reply.status_code == 200, reply.text[:300]
     return reply.headers[HOST_HEADER], reply.json()
 
@@ -155,10 +160,10 @@ def rest_stream_host(fleet: Fleet, **fields: Any) -> str:
         return reply.headers[HOST_HEADER]
 
 
-def grpc_host(fleet: Fleet, **fields: Any) -> str:
+def grpc_host(fleet: Fleet, metadata: tuple[tuple[str, str], ...] = (), **fields: Any) -> str:
     with grpc.insecure_channel(fleet.grpc_target) as channel:
         call = completions_pb2_grpc.CompletionServiceStub(channel).CreateCompletion(
-            grpc_request(**fields), timeout=120
+            grpc_request(**fields), timeout=120, metadata=metadata
         )
         list(call)
         return dict(call.initial_metadata())[HOST_HEADER]
@@ -256,15 +261,32 @@ def test_a_hot_prefix_spills_to_the_other_replica_under_load(fleet: Fleet) -> No
 
 
 def test_without_its_picker_envoy_still_keeps_a_prefix_on_one_replica(fleet: Fleet) -> None:
+    targets = [replica.grpc_target for replica in fleet.replicas]
     with facade(fleet.replicas) as other:
         picker = picker_of(other.envoy)
         picker.kill()
         wait_gone(picker)
         prefix = shared_prefix("no picker")
+        # Each call also names a replica itself in x-replica, alternately both: a caller
+        # cannot pin a replica (Envoy drops the header), so the key alone decides.
         hosts = {
-            rest_call(other, prompt=f"{prefix} Question {i}?", max_tokens=1)[0] for i in range(4)
+            rest_call(
+                other,
+                prompt=f"{prefix} Question {i}?",
+                max_tokens=1,
+                headers={REPLICA_HEADER: targets[i % 2]},
+            )[0]
+            for i in range(4)
         }
-        hosts.add(grpc_host(other, prompt=f"{prefix} Question 5?", max_tokens=1))
+        for i in range(2):
+            hosts.add(
+                grpc_host(
+                    other,
+                    prompt=f"{prefix} Question {5 + i}?",
+                    max_tokens=1,
+                    metadata=((REPLICA_HEADER, targets[i]),),
+                )
+            )
         assert len(hosts) == 1, hosts
 
 

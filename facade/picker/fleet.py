@@ -14,14 +14,13 @@ HEALTHY_FLAGS = "healthy"
 @dataclass
 class Replica:
     healthy: bool = False
-    in_flight: int = 0
 
 
 Clusters = dict[str, dict[str, Replica]]
 
 
 def parse_clusters(text: str) -> Clusters:
-    """Each cluster's hosts (HOST:PORT) with their health and requests in flight."""
+    """Each cluster's hosts (HOST:PORT) with their health."""
     clusters: Clusters = defaultdict(dict)
     for line in text.splitlines():
         parts = line.split("::")
@@ -31,8 +30,6 @@ def parse_clusters(text: str) -> Clusters:
         replica = clusters[cluster].setdefault(host, Replica())
         if stat == "health_flags":
             replica.healthy = value == HEALTHY_FLAGS
-        elif stat == "rq_active":
-            replica.in_flight = int(value)
     return dict(clusters)
 
 

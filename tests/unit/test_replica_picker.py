@@ -125,8 +125,8 @@ def test_envoys_admin_view_is_read() -> None:
     clusters = parse_clusters(ADMIN_CLUSTERS)
     assert clusters == {
         "completion_service_prefix": {
-            A: Replica(healthy=True, in_flight=3),
-            B: Replica(healthy=False, in_flight=0),
+            A: Replica(healthy=True),
+            B: Replica(healthy=False),
         }
     }
 
@@ -139,7 +139,7 @@ def test_keyed_requests_count_as_load_from_pick_to_end_on_healthy_replicas() -> 
     fleet.ended("completion_service_prefix", A)
     # Envoy's own rq_active (3, up to a reading old) is not used; B is not healthy.
     assert fleet.loads("completion_service_prefix") == {A: 1}
-    lost = fleet.update({"completion_service_prefix": {A: Replica(False, 0)}})
+    lost = fleet.update({"completion_service_prefix": {A: Replica(False)}})
     assert lost == {("completion_service_prefix", A)}
     assert fleet.loads("completion_service_prefix") == {}
 
@@ -191,7 +191,7 @@ async def envoy_call(
 def test_a_pick_counts_as_load_until_its_request_ends() -> None:
     async def scenario() -> None:
         fleet = FleetView()
-        fleet.update({"c": {A: Replica(True, 0), B: Replica(True, 0)}})
+        fleet.update({"c": {A: Replica(True), B: Replica(True)}})
         picker = ReplicaPicker(CacheAwarePolicy(balance_factor=100), fleet)
         ended = asyncio.Event()
         # Three requests of one key in flight: all at home (a bound of the average lets a
