@@ -125,14 +125,28 @@ def wait_gone(process: psutil.Process, timeout: float = 10) -> None:
             time.sleep(0.1)
 
 
-def picker_of(envoy: subprocess.Popen[bytes]) -> psutil.Process:
-    """The replica picker facade.launch started beside Envoy."""
-    (picker,) = [
+def is_picker(process: psutil.Process) -> bool:
+    """A running picker (one killed is a zombie until its supervisor reaps it)."""
+    try:
+        return "facade.picker.server" in process.cmdline()
+    except psutil.Error:
+        return False
+
+
+def picker_of(envoy: subprocess.Popen[bytes]) -> tuple[psutil.Process, psutil.Process]:
+    """The replica picker facade.launch started beside Envoy: (its supervisor, the picker)."""
+    (supervisor,) = [
         child
         for child in psutil.Process(envoy.pid).children()
-        if "facade.picker.server" in child.cmdline()
+        if "facade.picker.supervisor" in child.cmdline()
     ]
-    return picker
+    deadline = time.monotonic() + 30
+    while True:
+        pickers = [child for child in supervisor.children() if is_picker(child)]
+        if pickers:
+            return supervisor, pickers[0]
+        assert time.monotonic() < deadline, "the supervisor started no picker"
+        time.sleep(0.2)
 
 
 def shared_prefix(label: str) -> str:
@@ -263,8 +277,9 @@ def test_a_hot_prefix_spills_to_the_other_replica_under_load(fleet: Fleet) -> No
 def test_without_its_picker_envoy_still_keeps_a_prefix_on_one_replica(fleet: Fleet) -> None:
     targets = [replica.grpc_target for replica in fleet.replicas]
     with facade(fleet.replicas) as other:
-        picker = picker_of(other.envoy)
-        picker.kill()
+        supervisor, picker = picker_of(other.envoy)
+        supervisor.kill()  # the picker goes with it, and nothing restarts it
+        wait_gone(supervisor)
         wait_gone(picker)
         prefix = shared_prefix("no picker")
         # Each call also names a replica itself in x-replica, alternately both: a caller
@@ -292,9 +307,35 @@ def test_without_its_picker_envoy_still_keeps_a_prefix_on_one_replica(fleet: Fle
 
 def test_the_picker_leaves_with_envoy(fleet: Fleet) -> None:
     with facade(fleet.replicas) as other:
-        picker = picker_of(other.envoy)
+        supervisor, picker = picker_of(other.envoy)
         other.envoy.kill()
+        wait_gone(supervisor)
         wait_gone(picker)
+
+
+def test_a_picker_that_dies_is_restarted_and_picks_again(fleet: Fleet) -> None:
+    with facade(fleet.replicas) as other:
+        supervisor, picker = picker_of(other.envoy)
+        picker.kill()
+        wait_gone(picker)
+        same_supervisor, restarted = picker_of(other.envoy)
+        assert same_supervisor.pid == supervisor.pid
+        assert restarted.pid != picker.pid
+        replicas = sorted(r.grpc_target for r in fleet.replicas)
+        deadline = time.monotonic() + 30
+        while True:  # until the new picker answers (it reads the replicas' health first)
+            reply = httpx.post(
+                f"{other.base_url}/v2/completions",
+                json=body(prompt=shared_prefix("restarted"), max_tokens=1),
+                timeout=120,
+            )
+            assert reply.status_code == 200, reply.text[:300]
+            picked = reply.headers.get("x-replica-picked", "")
+            if sorted(picked.split(",")) == replicas:
+                break
+            assert time.monotonic() < deadline, f"no pick after the restart: {picked!r}"
+            time.sleep(0.5)
+        assert reply.headers[HOST_HEADER] == picked.split(",")[0]
 
 
 def test_a_killed_replicas_prefixes_move_to_the_other_without_failures(fleet: Fleet) -> None:

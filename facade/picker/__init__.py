@@ -21,13 +21,14 @@ CLUSTER_METADATA = "x-picker-cluster"
 
 
 def start_picker(socket_path: str, admin_url: str, balance_factor: int) -> None:
-    """Starts the picker beside the process about to become Envoy (facade.launch execs it):
-    the picker is that process's child, and is stopped when it exits."""
+    """Starts the picker, under its supervisor (which restarts it if it exits), beside the
+    process about to become Envoy (facade.launch execs it): the supervisor is that process's
+    child, and stops the picker when it exits."""
     subprocess.Popen(
         [
             sys.executable,
             "-m",
-            "facade.picker.server",
+            "facade.picker.supervisor",
             *("--socket", socket_path),
             *("--admin-url", admin_url),
             *("--balance-factor", str(balance_factor)),

@@ -16,6 +16,7 @@ from facade.picker import CLUSTER_METADATA, REPLICA_HEADER
 from facade.picker.fleet import FleetView, Replica, parse_clusters
 from facade.picker.policy import CacheAwarePolicy, load_bound
 from facade.picker.server import ReplicaPicker, header_value, replica_response
+from facade.picker.supervisor import MAX_DELAY_SECONDS, STEADY_SECONDS, next_delay
 
 A, B = "127.0.0.1:1", "127.0.0.1:2"
 IDLE = {A: 0, B: 0}
@@ -212,3 +213,15 @@ def test_a_pick_counts_as_load_until_its_request_ends() -> None:
         assert fleet.loads("c") == {A: 0, B: 0}
 
     asyncio.run(scenario())
+
+
+def test_a_picker_that_ran_steadily_is_restarted_at_once() -> None:
+    assert next_delay(8.0, ran_seconds=STEADY_SECONDS) == 0.0
+
+
+def test_a_picker_that_keeps_exiting_at_start_waits_longer_each_time_up_to_a_limit() -> None:
+    delays = [0.0]
+    for _ in range(8):
+        delays.append(next_delay(delays[-1], ran_seconds=0.1))
+    assert delays[1:4] == [1.0, 2.0, 4.0]
+    assert delays[-1] == MAX_DELAY_SECONDS
