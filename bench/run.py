@@ -20,7 +20,7 @@ from typing import Any
 
 from bench.grpc_client import run_load
 from bench.report import write_report
-from bench.servers import MakeServe, PeakRss, VllmServe
+from bench.servers import MakeServe, PeakRss, VllmServe, prioritize_load_clients
 from bench.workloads import FULL, QUICK, Workload
 from service.model.default_model import DEFAULT_SERVED_MODEL_NAME, prepare_default_model
 
@@ -122,6 +122,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     options = parser.parse_args()
     workloads = QUICK if options.quick else FULL
+    print(f"bench: {prioritize_load_clients()}", flush=True)
     model_dir = prepare_default_model()
     results: dict[str, dict[str, dict]] = {"vllm_openai": {}, "rest": {}, "grpc": {}}
     memory: dict[str, int] = {}

@@ -34,11 +34,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from bench.frontend_heavy import FRONTEND_HEAVY, spread
 from bench.frontend_heavy import ratio_cell as cell
 from bench.grpc_client import run_load
 from bench.run import MODEL, same_prompts, vllm_bench
-from bench.servers import MakeServe, OurStack, VllmServe, cpu_seconds
+from bench.servers import (
+    MakeServe,
+    OurStack,
+    VllmServe,
+    cpu_seconds,
+    cpu_wait_seconds,
+    prioritize_load_clients,
+)
 from bench.tiny_model import prepare_tiny_model, tiny_settings
 from bench.workloads import Workload
 
@@ -64,6 +73,12 @@ class Variant:
     # Each server in a session of its own, as in a terminal of its own (the default), or both
     # in the benchmark's, with the load clients (one scheduling group: sched_autogroup).
     own_sessions: bool = True
+    # Placement, once the server is ready: every thread the engine did not bind moved off the
+    # engine's bound cores (ours, and with peer_pinned vLLM's too); the serving processes'
+    # threads (frontend, Envoy, supervisors) at this nice value.
+    serving_pinned: bool = False
+    peer_pinned: bool = False
+    serving_nice: int = 0
 
 
 def stream_interval(n: int) -> Variant:
@@ -81,6 +96,10 @@ VARIANTS: dict[str, Variant] = {
     "test harness": Variant(harness=True),
     "output to /dev/null": Variant(output_discarded=True),
     "servers in the clients' session": Variant(own_sessions=False),
+    "serving pinned": Variant(serving_pinned=True),
+    "both serving pinned": Variant(serving_pinned=True, peer_pinned=True),
+    "serving niced": Variant(serving_nice=10),
+    "ENVOY_CONCURRENCY=1": Variant(env={"ENVOY_CONCURRENCY": "1"}),
     # stream_interval: ours and vLLM's with the same N.
     "stream_interval 4": stream_interval(4),
     "stream_interval 16": stream_interval(16),
@@ -88,16 +107,25 @@ VARIANTS: dict[str, Variant] = {
 DEFAULT_VARIANTS = ("make serve",)
 
 
+def everywhere() -> set[int]:
+    """The affinity of a thread that may run on any core."""
+    return os.sched_getaffinity(0) | set(range(os.cpu_count() or 1))
+
+
+def tasks(pids: Sequence[int]) -> list[int]:
+    """The thread ids of the processes."""
+    return [int(task.name) for pid in pids for task in Path(f"/proc/{pid}/task").glob("*")]
+
+
 def engine_cores(engine_pids: Sequence[int]) -> set[int]:
     """The cores the engines' threads are bound to (none if they may run anywhere)."""
-    everywhere = os.sched_getaffinity(0) | set(range(os.cpu_count() or 1))
+    anywhere = everywhere()
     bound: set[int] = set()
-    for pid in engine_pids:
-        for task in Path(f"/proc/{pid}/task").glob("*"):
-            with contextlib.suppress(OSError):
-                cores = os.sched_getaffinity(int(task.name))
-                if cores != everywhere:
-                    bound |= cores
+    for task in tasks(engine_pids):
+        with contextlib.suppress(OSError):
+            cores = os.sched_getaffinity(task)
+            if cores != anywhere:
+                bound |= cores
     return bound
 
 
@@ -122,13 +150,35 @@ def cpu_by_role(roles: dict[str, list[int]]) -> dict[str, float]:
     return {role: sum(cpu_seconds(pid) for pid in pids) for role, pids in roles.items()}
 
 
+def waits_by_process(roles: dict[str, list[int]]) -> dict[str, float]:
+    """Seconds spent waiting for a CPU so far: the engine core, the engine's worker, the
+    serving processes (frontend, Envoy, supervisors) together, and the load clients (this
+    process)."""
+    found = {"engine core": 0.0, "engine worker": 0.0, "serving": 0.0}
+    found["load client"] = cpu_wait_seconds(os.getpid())
+    for pid in roles.get("engine", []):
+        with contextlib.suppress(psutil.Error):
+            name = psutil.Process(pid).name()
+            if name.startswith("VLLM::EngineCor"):
+                found["engine core"] += cpu_wait_seconds(pid)
+            elif name.startswith("VLLM::Worker"):
+                found["engine worker"] += cpu_wait_seconds(pid)
+    for role in SERVING_ROLES:
+        found["serving"] += sum(cpu_wait_seconds(pid) for pid in roles.get(role, []))
+    return found
+
+
 def measured(
     roles: dict[str, list[int]], client_cores: set[int] | None, run: Callable[[], dict]
 ) -> dict[str, Any]:
-    """The run's throughput and latency, and CPU milliseconds per output token by role."""
+    """The run's throughput and latency, CPU milliseconds per output token by role, and the
+    milliseconds per second of the run the engine and serving processes waited for a CPU."""
     before = {**cpu_by_role(roles), "client": time.process_time()}
+    waits_before, started = waits_by_process(roles), time.monotonic()
     with clients_on(client_cores) if client_cores else contextlib.nullcontext():
         result = run()
+    seconds = time.monotonic() - started
+    waits_after = waits_by_process(roles)
     after = {**cpu_by_role(roles), "client": time.process_time()}
     tokens = max(result["total_output_tokens"], 1)
     per_token = {role: (after[role] - before[role]) * 1000 / tokens for role in after}
@@ -140,11 +190,33 @@ def measured(
         "messages_per_token": result.get("messages_per_token"),
         "client_cores": sorted(client_cores) if client_cores else None,
         "cpu_ms_per_token": per_token,
+        "cpu_wait_ms_per_second": {
+            name: (waits_after[name] - waits_before[name]) * 1000 / seconds for name in waits_after
+        },
     }
 
 
 def rest_load(base_url: str, endpoint: str, model_dir: Path) -> Callable[[], dict]:
     return lambda: vllm_bench(base_url, endpoint, model_dir, WORKLOAD)
+
+
+def pin_serving(roles: dict[str, list[int]]) -> None:
+    """Every thread of the server's processes that may run anywhere, onto the cores the engine's
+    bound threads leave free."""
+    anywhere = everywhere()
+    free = os.sched_getaffinity(0) - engine_cores(roles["engine"])
+    if not free:
+        return
+    for task in tasks([pid for pids in roles.values() for pid in pids]):
+        with contextlib.suppress(OSError):
+            if os.sched_getaffinity(task) == anywhere:
+                os.sched_setaffinity(task, free)
+
+
+def nice_serving(roles: dict[str, list[int]], nice: int) -> None:
+    for task in tasks([pid for role in SERVING_ROLES for pid in roles.get(role, [])]):
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, task, nice)
 
 
 def pinned_cores(roles: dict[str, list[int]], pin: bool) -> set[int] | None:
@@ -160,6 +232,8 @@ def measure_vllm(model_dir: Path, variant: Variant) -> dict[str, Any]:
         server.wait_ready()
         vllm_bench(server.base_url, "/v1/completions", model_dir, WARMUP)
         roles = server.processes()
+        if variant.peer_pinned:
+            pin_serving(roles)
         cores = pinned_cores(roles, variant.pin_clients)
         return {
             "rest": measured(roles, cores, rest_load(server.base_url, "/v1/completions", model_dir))
@@ -185,6 +259,10 @@ def measure_ours(model_dir: Path, variant: Variant, log_path: Path) -> dict[str,
         server.wait_ready()
         vllm_bench(server.base_url, "/v2/completions", model_dir, WARMUP)
         roles = server.processes()
+        if variant.serving_pinned:
+            pin_serving(roles)
+        if variant.serving_nice:
+            nice_serving(roles, variant.serving_nice)
         cores = pinned_cores(roles, variant.pin_clients)
         prompts = same_prompts(model_dir, WORKLOAD)
         grpc_load = lambda: asyncio.run(  # noqa: E731
@@ -204,6 +282,8 @@ def peer_key(variant: Variant) -> str:
     """The vLLM run a variant is compared with: one per distinct set of vLLM flags (and
     session)."""
     key = " ".join(["vllm serve", *variant.vllm_args])
+    if variant.peer_pinned:
+        key += ", serving pinned"
     return key if variant.own_sessions else f"{key}, in the clients' session"
 
 
@@ -303,6 +383,31 @@ def markdown(summary: dict[str, Any], rounds: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def waits_table(rounds: Sequence[dict[str, Any]]) -> str:
+    """Every run of every round: throughput beside how long the engine's and the serving
+    processes' threads waited for a CPU (ms per second of the run, summed over threads)."""
+    lines = [
+        "Every run: output tok/s and milliseconds per second of the run spent waiting for a CPU "
+        "(runnable, not running; /proc schedstat summed over each process's threads):",
+        "",
+        "| round | run | path | tok/s | engine core waited | engine worker waited "
+        "| serving processes waited | load client waited |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for index, measured_round in enumerate(rounds, start=1):
+        for run, paths in measured_round.items():
+            for path, found in paths.items():
+                waits = found.get("cpu_wait_ms_per_second")
+                if waits is None:
+                    continue
+                lines.append(
+                    f"| {index} | {run} | {path} | {found['output_throughput']:.0f} "
+                    f"| {waits['engine core']:.0f} | {waits['engine worker']:.0f} "
+                    f"| {waits['serving']:.0f} | {waits.get('load client', 0.0):.0f} |"
+                )
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -319,6 +424,8 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown variants {unknown}; known: {list(VARIANTS)}")
     args.out.mkdir(parents=True, exist_ok=True)
+    clients = prioritize_load_clients()
+    print(f"user path: {clients}", flush=True)
     model_dir = prepare_tiny_model()
     logs = Path(tempfile.mkdtemp(prefix="bench-user-path-"))
     print(f"user path: our stacks' output in {logs}", flush=True)
@@ -333,11 +440,12 @@ def main() -> None:
         "model": {"dir": str(model_dir), **tiny_settings()},
         "variants": {name: asdict(VARIANTS[name]) for name in names},
         "round_seconds": seconds,
+        "load_clients": clients,
         "summary": summary,
         "rounds": rounds,
     }
     (args.out / f"{args.name}.json").write_text(json.dumps(record, indent=2))
-    report = markdown(summary, args.rounds)
+    report = markdown(summary, args.rounds) + "\n" + waits_table(rounds)
     (args.out / f"{args.name}.md").write_text(report)
     print(report)
 
