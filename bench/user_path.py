@@ -50,6 +50,7 @@ from bench.servers import (
 )
 from bench.tiny_model import prepare_tiny_model, tiny_settings
 from bench.workloads import Workload
+from service.model.placement import ENGINE_CORE_NAME, ENGINE_WORKER_NAME
 
 WORKLOAD = FRONTEND_HEAVY[0]  # concurrency 64, 256 prompts, 32 in / 128 out, streaming
 WARMUP = Workload("warmup", concurrency=4, num_prompts=8, input_len=16, output_len=8)
@@ -159,9 +160,9 @@ def waits_by_process(roles: dict[str, list[int]]) -> dict[str, float]:
     for pid in roles.get("engine", []):
         with contextlib.suppress(psutil.Error):
             name = psutil.Process(pid).name()
-            if name.startswith("VLLM::EngineCor"):
+            if name.startswith(ENGINE_CORE_NAME):
                 found["engine core"] += cpu_wait_seconds(pid)
-            elif name.startswith("VLLM::Worker"):
+            elif name.startswith(ENGINE_WORKER_NAME):
                 found["engine worker"] += cpu_wait_seconds(pid)
     for role in SERVING_ROLES:
         found["serving"] += sum(cpu_wait_seconds(pid) for pid in roles.get(role, []))

@@ -17,7 +17,11 @@ logger = logging.getLogger(__name__)
 
 CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
-ENGINE_PROCESS_NAMES = ("VLLM::Worker", "VLLM::EngineCor")  # /proc shows 15 characters
+# The engine's processes as /proc's comm shows them (15 characters: psutil's name() may be
+# longer, so match these as prefixes there).
+ENGINE_WORKER_NAME = "VLLM::Worker"
+ENGINE_CORE_NAME = "VLLM::EngineCor"
+ENGINE_PROCESS_NAMES = (ENGINE_WORKER_NAME, ENGINE_CORE_NAME)
 
 
 class PlacementError(ValueError):
