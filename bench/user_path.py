@@ -50,7 +50,7 @@ from bench.servers import (
 )
 from bench.tiny_model import prepare_tiny_model, tiny_settings
 from bench.workloads import Workload
-from service.model.placement import ENGINE_CORE_NAME, ENGINE_WORKER_NAME
+from service.model.placement import ENGINE_CORE_NAME, ENGINE_WORKER_NAME, confine_engine_core
 
 WORKLOAD = FRONTEND_HEAVY[0]  # concurrency 64, 256 prompts, 32 in / 128 out, streaming
 WARMUP = Workload("warmup", concurrency=4, num_prompts=8, input_len=16, output_len=8)
@@ -80,6 +80,9 @@ class Variant:
     serving_pinned: bool = False
     peer_pinned: bool = False
     serving_nice: int = 0
+    # vLLM's engine-core process moved onto the cores its worker is bound to, as our service
+    # places its own (service.model.placement.confine_engine_core).
+    peer_core_placed: bool = False
 
 
 def stream_interval(n: int) -> Variant:
@@ -101,6 +104,7 @@ VARIANTS: dict[str, Variant] = {
     "both serving pinned": Variant(serving_pinned=True, peer_pinned=True),
     "serving niced": Variant(serving_nice=10),
     "ENVOY_CONCURRENCY=1": Variant(env={"ENVOY_CONCURRENCY": "1"}),
+    "vllm serve's engine core placed as ours": Variant(peer_core_placed=True),
     # stream_interval: ours and vLLM's with the same N.
     "stream_interval 4": stream_interval(4),
     "stream_interval 16": stream_interval(16),
@@ -236,6 +240,8 @@ def measure_vllm(model_dir: Path, variant: Variant) -> dict[str, Any]:
         if variant.peer_pinned:
             pin_serving(roles)
         cores = pinned_cores(roles, variant.pin_clients)
+        if variant.peer_core_placed:
+            confine_engine_core(server.process.pid)
         return {
             "rest": measured(roles, cores, rest_load(server.base_url, "/v1/completions", model_dir))
         }
@@ -285,6 +291,8 @@ def peer_key(variant: Variant) -> str:
     key = " ".join(["vllm serve", *variant.vllm_args])
     if variant.peer_pinned:
         key += ", serving pinned"
+    if variant.peer_core_placed:
+        key += ", engine core placed as ours"
     return key if variant.own_sessions else f"{key}, in the clients' session"
 
 

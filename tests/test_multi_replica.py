@@ -485,23 +485,36 @@ def test_replicas_join_rotation_within_seconds_of_serving(cluster: Cluster) -> N
     assert cluster.ejections() == 0
 
 
+def thread_cores(process: psutil.Process) -> list[set[int]]:
+    """Each thread's affinity (threads that ended meanwhile left out)."""
+    found = []
+    for thread in process.threads():
+        try:
+            found.append(os.sched_getaffinity(thread.id))
+        except OSError:
+            continue
+    return found
+
+
+def engine_process(replica: Replica, name: str) -> psutil.Process:
+    (found,) = [p for p in replica.processes() if p.name() == name]
+    return found
+
+
 def bound_cores(replica: Replica) -> set[int]:
     """The cores the replica's engine worker binds its threads to, one core a thread."""
-    (worker,) = [p for p in replica.processes() if p.name() == "VLLM::Worker"]
-    cores: set[int] = set()
-    for thread in worker.threads():
-        try:
-            affinity = os.sched_getaffinity(thread.id)
-        except OSError:  # the thread ended meanwhile
-            continue
-        if len(affinity) == 1:
-            cores |= affinity
-    return cores
+    worker = engine_process(replica, "VLLM::Worker")
+    return set().union(*(cores for cores in thread_cores(worker) if len(cores) == 1))
 
 
 def test_each_replica_runs_on_its_own_core(cluster: Cluster) -> None:
     cluster.wait_both_in_rotation()
     assert [bound_cores(replica) for replica in cluster.replicas] == [{0}, {1}]
+    # The engine-core process, which spins while it waits for its worker, shares the worker's
+    # core rather than the other replica's.
+    for replica, core in zip(cluster.replicas, ({0}, {1}), strict=True):
+        engine_core = engine_process(replica, "VLLM::EngineCore")
+        assert all(cores == core for cores in thread_cores(engine_core)), replica.host
 
 
 def test_a_drain_lasts_as_long_as_its_longest_request(cluster: Cluster) -> None:

@@ -9,6 +9,7 @@ replica taking 3 min 40 s instead of 33 s). Each replica of a host needs cores o
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -110,3 +111,72 @@ def place_engine(cpu_cores: tuple[int, ...], devices: str | None, ranks: int, on
         )
     else:
         logger.info("engine placement: automatic (vLLM binds its threads)")
+
+
+def children_by_name(parent: int, proc: Path = Path("/proc")) -> dict[str, list[int]]:
+    """The processes beneath `parent` (children, grandchildren, ...) by their /proc comm."""
+    children: dict[int, list[tuple[int, str]]] = {}
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append((int(entry.name), name))
+    found: dict[str, list[int]] = {}
+    frontier = [parent]
+    while frontier:
+        for pid, name in sorted(children.get(frontier.pop(), [])):
+            found.setdefault(name, []).append(pid)
+            frontier.append(pid)
+    return found
+
+
+def threads(pids: list[int], proc: Path = Path("/proc")) -> list[int]:
+    found = []
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            found.extend(int(task.name) for task in (proc / str(pid) / "task").iterdir())
+    return found
+
+
+def bound_cores(tids: list[int]) -> set[int]:
+    """The cores the threads are bound to: the union of every affinity narrower than this
+    process's own (an unbound thread may run anywhere and says nothing)."""
+    anywhere = available_cores()
+    cores: set[int] = set()
+    for tid in tids:
+        with contextlib.suppress(OSError):
+            affinity = os.sched_getaffinity(tid)
+            if affinity < anywhere:
+                cores |= affinity
+    return cores
+
+
+def confine_engine_core(parent: int | None = None) -> None:
+    """Move the engine-core process onto the cores its worker is bound to.
+
+    vLLM's CPU build binds only the worker's threads; the engine-core process may run anywhere.
+    It waits for each step's result by spinning (yielding, but always runnable), so it sits on
+    the cores left for serving requests and the frontend and Envoy wait behind it. Its work and
+    the worker's take turns (one schedules a step, the other runs it), so on the worker's cores
+    it costs the step nothing (BENCHMARKS.md, "Serving cost on the path users run").
+    """
+    engine = children_by_name(os.getpid() if parent is None else parent)
+    cores = bound_cores(threads(engine.get(ENGINE_WORKER_NAME, [])))
+    core_pids = engine.get(ENGINE_CORE_NAME, [])
+    if not cores or not core_pids:
+        logger.info("engine placement: the engine core runs where it likes (no bound worker)")
+        return
+    for tid in threads(core_pids):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(tid, cores)
+    logger.info(
+        "engine placement: engine core (pid %s) on its worker's cores %s",
+        ",".join(map(str, core_pids)),
+        format_cores(cores),
+    )

@@ -4,7 +4,11 @@ vLLM reads, and the warning when automatic binding would share cores with anothe
 from __future__ import annotations
 
 import logging
+import os
 import re
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -82,3 +86,67 @@ def test_automatic_binding_warns_beside_another_engine(
     assert len(warnings) == len(others)
     if others:
         assert "4242" in warnings[0].getMessage() and "--cpu-cores" in warnings[0].getMessage()
+
+
+def fake_stat(root: Path, pid: int, name: str, ppid: int) -> None:
+    (root / str(pid)).mkdir()
+    (root / str(pid) / "stat").write_text(f"{pid} ({name}) S {ppid} {pid} {pid} 0 -1\n")
+
+
+def test_an_engines_processes_are_found_beneath_its_server(tmp_path: Path) -> None:
+    fake_stat(tmp_path, 100, "python", 1)
+    fake_stat(tmp_path, 101, "VLLM::EngineCor", 100)
+    fake_stat(tmp_path, 102, "VLLM::Worker", 101)
+    fake_stat(tmp_path, 103, "a (odd) name", 102)
+    fake_stat(tmp_path, 200, "VLLM::Worker", 1)  # another server's
+    assert placement.children_by_name(100, tmp_path) == {
+        "VLLM::EngineCor": [101],
+        "VLLM::Worker": [102],
+        "a (odd) name": [103],
+    }
+
+
+NAMED_SLEEPER = (
+    "import os, sys, time; open('/proc/self/comm', 'w').write(sys.argv[1]); "
+    "cores = sys.argv[2]; cores and os.sched_setaffinity(0, {int(c) for c in cores.split(',')}); "
+    "print(flush=True); time.sleep(60)"
+)
+
+
+@pytest.fixture
+def fake_engine() -> Iterator[Callable[[str, str], int]]:
+    """Child processes that name themselves as the engine's do, bound to the given cores."""
+    started: list[subprocess.Popen[str]] = []
+
+    def start(name: str, cores: str) -> int:
+        process = subprocess.Popen(
+            [sys.executable, "-c", NAMED_SLEEPER, name, cores], stdout=subprocess.PIPE, text=True
+        )
+        started.append(process)
+        assert process.stdout is not None and process.stdout.readline() == "\n"
+        return process.pid
+
+    yield start
+    for process in started:
+        process.kill()
+        process.wait()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_the_engine_core_moves_onto_its_workers_cores(
+    fake_engine: Callable[[str, str], int],
+) -> None:
+    worker_core = min(os.sched_getaffinity(0))
+    core_pid = fake_engine("VLLM::EngineCor", "")
+    fake_engine("VLLM::Worker", str(worker_core))
+    placement.confine_engine_core()
+    assert os.sched_getaffinity(core_pid) == {worker_core}
+
+
+def test_the_engine_core_stays_put_when_its_worker_is_not_bound(
+    fake_engine: Callable[[str, str], int],
+) -> None:
+    core_pid = fake_engine("VLLM::EngineCor", "")
+    fake_engine("VLLM::Worker", "")
+    placement.confine_engine_core()
+    assert os.sched_getaffinity(core_pid) == os.sched_getaffinity(0)
