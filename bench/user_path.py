@@ -16,7 +16,11 @@ per token is reported too (this process's CPU time over the run).
 Variants: `make serve` as it is, then one change each (--variants): the A/B of the factors on
 the path, and `stream_interval` N against `vllm serve --stream-interval N`.
 
+`--model default --workload c8` runs the same comparison on the embedded model with one of
+`make bench`'s workloads, where the engine and not the serving path sets the pace.
+
 Usage: python -m bench.user_path [--rounds N] [--variants A;B;...] [--out DIR]
+           [--model tiny|default] [--workload NAME]
 """
 
 from __future__ import annotations
@@ -49,12 +53,25 @@ from bench.servers import (
     prioritize_load_clients,
 )
 from bench.tiny_model import prepare_tiny_model, tiny_settings
-from bench.workloads import Workload
+from bench.workloads import FULL, Workload
+from service.model.default_model import prepare_default_model
 from service.model.placement import ENGINE_CORE_NAME, ENGINE_WORKER_NAME, confine_engine_core
 
-WORKLOAD = FRONTEND_HEAVY[0]  # concurrency 64, 256 prompts, 32 in / 128 out, streaming
+# Concurrency 64, 256 prompts, 32 in / 128 out, streaming: where the serving path's cost shows.
+WORKLOAD = FRONTEND_HEAVY[0]
+# --model default: the embedded model, with `make bench`'s workloads (--workload c1, c8, ...).
+WORKLOADS = {workload.name: workload for workload in (WORKLOAD, *FULL)}
 WARMUP = Workload("warmup", concurrency=4, num_prompts=8, input_len=16, output_len=8)
 SERVING_ROLES = ("frontend", "envoy", "supervisor")
+
+
+@dataclass(frozen=True)
+class Target:
+    """The model both servers serve and the workload run against them."""
+
+    model_dir: Path
+    workload: Workload
+    description: str  # the model, in words
 
 
 @dataclass(frozen=True)
@@ -83,6 +100,8 @@ class Variant:
     # vLLM's engine-core process moved onto the cores its worker is bound to, as our service
     # places its own (service.model.placement.confine_engine_core).
     peer_core_placed: bool = False
+    # Ours with its engine-core process let run anywhere again, as vLLM leaves it.
+    core_unplaced: bool = False
 
 
 def stream_interval(n: int) -> Variant:
@@ -105,6 +124,7 @@ VARIANTS: dict[str, Variant] = {
     "serving niced": Variant(serving_nice=10),
     "ENVOY_CONCURRENCY=1": Variant(env={"ENVOY_CONCURRENCY": "1"}),
     "vllm serve's engine core placed as ours": Variant(peer_core_placed=True),
+    "engine core unplaced": Variant(core_unplaced=True),
     # stream_interval: ours and vLLM's with the same N.
     "stream_interval 4": stream_interval(4),
     "stream_interval 16": stream_interval(16),
@@ -201,8 +221,8 @@ def measured(
     }
 
 
-def rest_load(base_url: str, endpoint: str, model_dir: Path) -> Callable[[], dict]:
-    return lambda: vllm_bench(base_url, endpoint, model_dir, WORKLOAD)
+def rest_load(base_url: str, endpoint: str, target: Target) -> Callable[[], dict]:
+    return lambda: vllm_bench(base_url, endpoint, target.model_dir, target.workload)
 
 
 def pin_serving(roles: dict[str, list[int]]) -> None:
@@ -218,6 +238,20 @@ def pin_serving(roles: dict[str, list[int]]) -> None:
                 os.sched_setaffinity(task, free)
 
 
+def unplace_engine_core(roles: dict[str, list[int]]) -> None:
+    core_pids = [pid for pid in roles["engine"] if process_name(pid).startswith(ENGINE_CORE_NAME)]
+    for task in tasks(core_pids):
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(task, everywhere())
+
+
+def process_name(pid: int) -> str:
+    try:
+        return psutil.Process(pid).name()
+    except psutil.Error:
+        return ""
+
+
 def nice_serving(roles: dict[str, list[int]], nice: int) -> None:
     for task in tasks([pid for role in SERVING_ROLES for pid in roles.get(role, [])]):
         with contextlib.suppress(OSError):
@@ -231,7 +265,8 @@ def pinned_cores(roles: dict[str, list[int]], pin: bool) -> set[int] | None:
     return free or None
 
 
-def measure_vllm(model_dir: Path, variant: Variant) -> dict[str, Any]:
+def measure_vllm(target: Target, variant: Variant) -> dict[str, Any]:
+    model_dir = target.model_dir
     server = VllmServe(model_dir, MODEL, variant.vllm_args, variant.own_sessions)
     try:
         server.wait_ready()
@@ -243,13 +278,14 @@ def measure_vllm(model_dir: Path, variant: Variant) -> dict[str, Any]:
         if variant.peer_core_placed:
             confine_engine_core(server.process.pid)
         return {
-            "rest": measured(roles, cores, rest_load(server.base_url, "/v1/completions", model_dir))
+            "rest": measured(roles, cores, rest_load(server.base_url, "/v1/completions", target))
         }
     finally:
         server.stop()
 
 
-def measure_ours(model_dir: Path, variant: Variant, log_path: Path) -> dict[str, Any]:
+def measure_ours(target: Target, variant: Variant, log_path: Path) -> dict[str, Any]:
+    model_dir, workload = target.model_dir, target.workload
     server: MakeServe | OurStack = (
         OurStack(model_dir, MODEL)
         if variant.harness
@@ -271,14 +307,14 @@ def measure_ours(model_dir: Path, variant: Variant, log_path: Path) -> dict[str,
         if variant.serving_nice:
             nice_serving(roles, variant.serving_nice)
         cores = pinned_cores(roles, variant.pin_clients)
-        prompts = same_prompts(model_dir, WORKLOAD)
+        if variant.core_unplaced:
+            unplace_engine_core(roles)
+        prompts = same_prompts(model_dir, workload)
         grpc_load = lambda: asyncio.run(  # noqa: E731
-            run_load(server.grpc_target, MODEL, prompts, WORKLOAD.output_len, WORKLOAD.concurrency)
+            run_load(server.grpc_target, MODEL, prompts, workload.output_len, workload.concurrency)
         )
         return {
-            "rest": measured(
-                roles, cores, rest_load(server.base_url, "/v2/completions", model_dir)
-            ),
+            "rest": measured(roles, cores, rest_load(server.base_url, "/v2/completions", target)),
             "grpc": measured(roles, cores, grpc_load),
         }
     finally:
@@ -296,21 +332,19 @@ def peer_key(variant: Variant) -> str:
     return key if variant.own_sessions else f"{key}, in the clients' session"
 
 
-def one_round(
-    model_dir: Path, names: Sequence[str], round_index: int, logs: Path
-) -> dict[str, Any]:
+def one_round(target: Target, names: Sequence[str], round_index: int, logs: Path) -> dict[str, Any]:
     """vLLM's runs first, then ours; the order of ours rotates by round."""
     found: dict[str, Any] = {}
     for name in names:
         key = peer_key(VARIANTS[name])
         if key not in found:
             print(f"user path: round {round_index + 1}, {key}", flush=True)
-            found[key] = measure_vllm(model_dir, VARIANTS[name])
+            found[key] = measure_vllm(target, VARIANTS[name])
     shift = round_index % len(names)
     for name in [*names[shift:], *names[:shift]]:
         print(f"user path: round {round_index + 1}, ours: {name}", flush=True)
         log_path = logs / f"round{round_index + 1}-{name.replace(' ', '_')}.log"
-        found[name] = measure_ours(model_dir, VARIANTS[name], log_path)
+        found[name] = measure_ours(target, VARIANTS[name], log_path)
     return found
 
 
@@ -352,10 +386,10 @@ def median_roles(runs: Sequence[dict[str, Any]]) -> dict[str, float]:
     return found
 
 
-def markdown(summary: dict[str, Any], rounds: int) -> str:
-    w = WORKLOAD
+def markdown(summary: dict[str, Any], rounds: int, target: Target) -> str:
+    w = target.workload
     lines = [
-        f"User path: `make serve` against `vllm serve`, a one-layer random-weight model, "
+        f"User path: `make serve` against `vllm serve`, {target.description}, "
         f"concurrency {w.concurrency}, {w.num_prompts} prompts, {w.input_len} in / "
         f"{w.output_len} out tokens, streaming; {rounds} round(s). Ratios to `vllm serve` "
         "(REST) in the same round, median (min-max). Serving CPU = frontend + Envoy + the "
@@ -427,6 +461,18 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--name", default="user-path", help="the results' file name")
+    parser.add_argument(
+        "--model",
+        choices=("tiny", "default"),
+        default="tiny",
+        help="a one-layer random-weight model (default), or the embedded model",
+    )
+    parser.add_argument(
+        "--workload",
+        choices=list(WORKLOADS),
+        default=WORKLOAD.name,
+        help=f"default {WORKLOAD.name}; the others are `make bench`'s",
+    )
     args = parser.parse_args()
     names = list(VARIANTS) if args.variants == "all" else args.variants.split(";")
     unknown = [name for name in names if name not in VARIANTS]
@@ -435,18 +481,25 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     clients = prioritize_load_clients()
     print(f"user path: {clients}", flush=True)
-    model_dir = prepare_tiny_model()
+    target = (
+        Target(prepare_tiny_model(), WORKLOADS[args.workload], "a one-layer random-weight model")
+        if args.model == "tiny"
+        else Target(prepare_default_model(), WORKLOADS[args.workload], f"the embedded {MODEL}")
+    )
     logs = Path(tempfile.mkdtemp(prefix="bench-user-path-"))
     print(f"user path: our stacks' output in {logs}", flush=True)
     rounds, seconds = [], []
     for round_index in range(args.rounds):
         started = time.monotonic()
-        rounds.append(one_round(model_dir, names, round_index, logs))
+        rounds.append(one_round(target, names, round_index, logs))
         seconds.append(time.monotonic() - started)
     summary = summarize(rounds, names)
     record = {
-        "workload": asdict(WORKLOAD),
-        "model": {"dir": str(model_dir), **tiny_settings()},
+        "workload": asdict(target.workload),
+        "model": {
+            "dir": str(target.model_dir),
+            **(tiny_settings() if args.model == "tiny" else {}),
+        },
         "variants": {name: asdict(VARIANTS[name]) for name in names},
         "round_seconds": seconds,
         "load_clients": clients,
@@ -454,7 +507,7 @@ def main() -> None:
         "rounds": rounds,
     }
     (args.out / f"{args.name}.json").write_text(json.dumps(record, indent=2))
-    report = markdown(summary, args.rounds) + "\n" + waits_table(rounds)
+    report = markdown(summary, args.rounds, target) + "\n" + waits_table(rounds)
     (args.out / f"{args.name}.md").write_text(report)
     print(report)
 
