@@ -3,6 +3,7 @@ with the same flags in the same round, serving CPU counting Envoy and the superv
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from bench import user_path
@@ -47,6 +48,11 @@ def test_the_summary_takes_medians_over_rounds_and_the_report_shows_them() -> No
     rest = summary["make serve"]["ratios"]["rest tok/s"]
     assert rest == {"median": 0.95, "min": 0.95, "max": 0.95}  # both sides scale together
     assert summary["make serve"]["cpu_ms_per_token"]["rest"]["output_throughput"] == 950
-    report = user_path.markdown(summary, rounds=3)
+    target = user_path.Target(Path("model"), user_path.WORKLOAD, "a one-layer random-weight model")
+    report = user_path.markdown(summary, rounds=3, target=target)
+    assert report.startswith(
+        "User path: `make serve` against `vllm serve`, a one-layer random-weight model, "
+        "concurrency 64, 256 prompts"
+    )
     assert "| make serve | 0.95x (0.95-0.95) |" in report
     assert "| stream_interval 4 | vllm serve | 2000 |" in report
