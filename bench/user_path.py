@@ -55,7 +55,12 @@ from bench.servers import (
 from bench.tiny_model import prepare_tiny_model, tiny_settings
 from bench.workloads import FULL, Workload
 from service.model.default_model import prepare_default_model
-from service.model.placement import ENGINE_CORE_NAME, ENGINE_WORKER_NAME, confine_engine_core
+from service.model.placement import (
+    ENGINE_CORE_NAME,
+    ENGINE_WORKER_NAME,
+    confine_engine_core,
+    threads,
+)
 
 # Concurrency 64, 256 prompts, 32 in / 128 out, streaming: where the serving path's cost shows.
 WORKLOAD = FRONTEND_HEAVY[0]
@@ -137,16 +142,11 @@ def everywhere() -> set[int]:
     return os.sched_getaffinity(0) | set(range(os.cpu_count() or 1))
 
 
-def tasks(pids: Sequence[int]) -> list[int]:
-    """The thread ids of the processes."""
-    return [int(task.name) for pid in pids for task in Path(f"/proc/{pid}/task").glob("*")]
-
-
 def engine_cores(engine_pids: Sequence[int]) -> set[int]:
     """The cores the engines' threads are bound to (none if they may run anywhere)."""
     anywhere = everywhere()
     bound: set[int] = set()
-    for task in tasks(engine_pids):
+    for task in threads(engine_pids):
         with contextlib.suppress(OSError):
             cores = os.sched_getaffinity(task)
             if cores != anywhere:
@@ -232,7 +232,7 @@ def pin_serving(roles: dict[str, list[int]]) -> None:
     free = os.sched_getaffinity(0) - engine_cores(roles["engine"])
     if not free:
         return
-    for task in tasks([pid for pids in roles.values() for pid in pids]):
+    for task in threads([pid for pids in roles.values() for pid in pids]):
         with contextlib.suppress(OSError):
             if os.sched_getaffinity(task) == anywhere:
                 os.sched_setaffinity(task, free)
@@ -240,7 +240,7 @@ def pin_serving(roles: dict[str, list[int]]) -> None:
 
 def unplace_engine_core(roles: dict[str, list[int]]) -> None:
     core_pids = [pid for pid in roles["engine"] if process_name(pid).startswith(ENGINE_CORE_NAME)]
-    for task in tasks(core_pids):
+    for task in threads(core_pids):
         with contextlib.suppress(OSError):
             os.sched_setaffinity(task, everywhere())
 
@@ -253,7 +253,7 @@ def process_name(pid: int) -> str:
 
 
 def nice_serving(roles: dict[str, list[int]], nice: int) -> None:
-    for task in tasks([pid for role in SERVING_ROLES for pid in roles.get(role, [])]):
+    for task in threads([pid for role in SERVING_ROLES for pid in roles.get(role, [])]):
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, task, nice)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -136,7 +137,8 @@ def children_by_name(parent: int, proc: Path = Path("/proc")) -> dict[str, list[
     return found
 
 
-def threads(pids: list[int], proc: Path = Path("/proc")) -> list[int]:
+def threads(pids: Sequence[int], proc: Path = Path("/proc")) -> list[int]:
+    """The thread ids of the processes (those gone meanwhile left out)."""
     found = []
     for pid in pids:
         with contextlib.suppress(OSError):
