@@ -58,6 +58,7 @@ from service.model.default_model import prepare_default_model
 from service.model.placement import (
     ENGINE_CORE_NAME,
     ENGINE_WORKER_NAME,
+    bound_cores,
     confine_engine_core,
     threads,
 )
@@ -144,14 +145,7 @@ def everywhere() -> set[int]:
 
 def engine_cores(engine_pids: Sequence[int]) -> set[int]:
     """The cores the engines' threads are bound to (none if they may run anywhere)."""
-    anywhere = everywhere()
-    bound: set[int] = set()
-    for task in threads(engine_pids):
-        with contextlib.suppress(OSError):
-            cores = os.sched_getaffinity(task)
-            if cores != anywhere:
-                bound |= cores
-    return bound
+    return bound_cores(threads(engine_pids))
 
 
 @contextlib.contextmanager
@@ -182,12 +176,11 @@ def waits_by_process(roles: dict[str, list[int]]) -> dict[str, float]:
     found = {"engine core": 0.0, "engine worker": 0.0, "serving": 0.0}
     found["load client"] = cpu_wait_seconds(os.getpid())
     for pid in roles.get("engine", []):
-        with contextlib.suppress(psutil.Error):
-            name = psutil.Process(pid).name()
-            if name.startswith(ENGINE_CORE_NAME):
-                found["engine core"] += cpu_wait_seconds(pid)
-            elif name.startswith(ENGINE_WORKER_NAME):
-                found["engine worker"] += cpu_wait_seconds(pid)
+        name = process_name(pid)
+        if name.startswith(ENGINE_CORE_NAME):
+            found["engine core"] += cpu_wait_seconds(pid)
+        elif name.startswith(ENGINE_WORKER_NAME):
+            found["engine worker"] += cpu_wait_seconds(pid)
     for role in SERVING_ROLES:
         found["serving"] += sum(cpu_wait_seconds(pid) for pid in roles.get(role, []))
     return found

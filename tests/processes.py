@@ -5,12 +5,15 @@ service alone."""
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from facade.picker.fleet import read_clusters
 from facade.stack import Stack, StackError
@@ -63,3 +66,14 @@ class TestStack(Stack):
     def wait_ready_service(self, timeout: float) -> None:
         """Block until the service reports SERVING (for a stack without Envoy)."""
         self.wait_until(self.service_serving, timeout)
+
+
+def thread_affinities(process: psutil.Process) -> list[set[int]]:
+    """Each of the process's threads' CPU affinity (threads that ended meanwhile left out)."""
+    found = []
+    for thread in process.threads():
+        try:
+            found.append(os.sched_getaffinity(thread.id))
+        except OSError:
+            continue
+    return found

@@ -1,10 +1,12 @@
 """The engine's processes never outlive the server: killed outright (SIGKILL, as the OOM
 killer does) the server takes its engine core and workers with it and frees its port; stopped
 while the engine is still loading, it stops the load and exits at once. (Started beside the
-session's engine with automatic binding, the service also warns that they share cores.)"""
+session's engine with automatic binding, the service also warns that they share cores, and
+moves its engine core onto the cores vLLM bound its worker to.)"""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import time
@@ -15,7 +17,7 @@ import psutil
 import pytest
 
 from tests.conftest import ENGINE_START_TIMEOUT, SMALL_ENGINE
-from tests.processes import TestStack, free_port
+from tests.processes import TestStack, free_port, thread_affinities
 
 ENGINE_PROCESS_PREFIX = "VLLM::"
 GONE_WITHIN_SECONDS = 5.0
@@ -76,6 +78,16 @@ def assert_warned_about_shared_cores(service: TestStack) -> None:
     assert len(warnings) == 1 and "--cpu-cores" in warnings[0]
 
 
+def assert_engine_core_beside_its_worker(engines: list[psutil.Process]) -> None:
+    """With automatic binding, the engine core's threads all sit on the worker's bound cores."""
+    (worker,) = [p for p in engines if p.name() == "VLLM::Worker"]
+    (engine_core,) = [p for p in engines if p.name() == "VLLM::EngineCore"]
+    anywhere = os.sched_getaffinity(0)
+    worker_cores = set().union(*(c for c in thread_affinities(worker) if c < anywhere))
+    assert worker_cores and worker_cores < anywhere
+    assert all(cores == worker_cores for cores in thread_affinities(engine_core))
+
+
 def test_a_killed_server_leaves_no_engine_process_and_frees_its_port(
     stack: TestStack, service: TestStack
 ) -> None:
@@ -84,6 +96,7 @@ def test_a_killed_server_leaves_no_engine_process_and_frees_its_port(
     server = psutil.Process(service.processes[0].pid)
     engines = engine_processes(server)
     assert {p.name() for p in engines} >= {"VLLM::EngineCore", "VLLM::Worker"}, engines
+    assert_engine_core_beside_its_worker(engines)
     server.send_signal(signal.SIGKILL)
     service.processes[0].wait(timeout=10)
     wait_gone(engines, GONE_WITHIN_SECONDS)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import signal
 import socket
@@ -45,7 +44,7 @@ from service.settings import ServerSettings
 from tests.conftest import ENGINE_START_TIMEOUT, SMALL_ENGINE
 from tests.helpers import body, grpc_request
 from tests.metrics import sample
-from tests.processes import TestStack, free_port
+from tests.processes import TestStack, free_port, thread_affinities
 
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
 
@@ -485,17 +484,6 @@ def test_replicas_join_rotation_within_seconds_of_serving(cluster: Cluster) -> N
     assert cluster.ejections() == 0
 
 
-def thread_cores(process: psutil.Process) -> list[set[int]]:
-    """Each thread's affinity (threads that ended meanwhile left out)."""
-    found = []
-    for thread in process.threads():
-        try:
-            found.append(os.sched_getaffinity(thread.id))
-        except OSError:
-            continue
-    return found
-
-
 def engine_process(replica: Replica, name: str) -> psutil.Process:
     (found,) = [p for p in replica.processes() if p.name() == name]
     return found
@@ -504,7 +492,7 @@ def engine_process(replica: Replica, name: str) -> psutil.Process:
 def bound_cores(replica: Replica) -> set[int]:
     """The cores the replica's engine worker binds its threads to, one core a thread."""
     worker = engine_process(replica, "VLLM::Worker")
-    return set().union(*(cores for cores in thread_cores(worker) if len(cores) == 1))
+    return set().union(*(cores for cores in thread_affinities(worker) if len(cores) == 1))
 
 
 def test_each_replica_runs_on_its_own_core(cluster: Cluster) -> None:
@@ -514,7 +502,7 @@ def test_each_replica_runs_on_its_own_core(cluster: Cluster) -> None:
     # core rather than the other replica's.
     for replica, core in zip(cluster.replicas, ({0}, {1}), strict=True):
         engine_core = engine_process(replica, "VLLM::EngineCore")
-        assert all(cores == core for cores in thread_cores(engine_core)), replica.host
+        assert all(cores == core for cores in thread_affinities(engine_core)), replica.host
 
 
 def test_a_drain_lasts_as_long_as_its_longest_request(cluster: Cluster) -> None:

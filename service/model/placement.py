@@ -146,7 +146,7 @@ def threads(pids: Sequence[int], proc: Path = Path("/proc")) -> list[int]:
     return found
 
 
-def bound_cores(tids: list[int]) -> set[int]:
+def bound_cores(tids: Sequence[int]) -> set[int]:
     """The cores the threads are bound to: the union of every affinity narrower than this
     process's own (an unbound thread may run anywhere and says nothing)."""
     anywhere = available_cores()
