@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -89,6 +89,7 @@ class Fleet:
     metrics_urls: list[str]
     envoys: dict[str, subprocess.Popen[bytes]]
     base_urls: dict[str, str]
+    block_tokens: int  # the engines' KV-cache block: prompts share cached blocks, whole
 
 
 def words(rng: random.Random, count: int) -> str:
@@ -115,6 +116,26 @@ def prompts(
             prefix = rng.choice(shared[1:] if workload.hot_share else shared)
         chosen.append(f"{prefix}\nQuestion: {words(rng, SUFFIX_WORDS)}?")
     return chosen
+
+
+def common_prefix_length(first: Sequence[int], second: Sequence[int]) -> int:
+    length = 0
+    for a, b in zip(first, second, strict=False):  # the shorter one ends the prefix
+        if a != b:
+            break
+        length += 1
+    return length
+
+
+def best_hit_rate(token_ids: list[list[int]], block_tokens: int) -> float:
+    """The hit rate no routing can beat for these prompts in this order: one cache that never
+    evicts, where each prompt reuses the whole blocks it shares with any earlier prompt (the
+    engine caches full blocks only, and always computes a prompt's last token itself)."""
+    hits = 0
+    for index, ids in enumerate(token_ids):
+        shared = max((common_prefix_length(ids, seen) for seen in token_ids[:index]), default=0)
+        hits += min(shared, len(ids) - 1) // block_tokens * block_tokens
+    return hits / (sum(len(ids) for ids in token_ids) or 1)
 
 
 async def one_request(
@@ -166,6 +187,14 @@ def total(snapshot: dict[tuple[str, Any], float], name: str, **labels: str) -> f
     return sum(v for (n, ls), v in snapshot.items() if n == name and wanted <= set(ls))
 
 
+def engine_block_tokens(metrics_url: str) -> int:
+    """The engine's KV-cache block size, from the configuration vLLM publishes in its metrics."""
+    for (name, labels), _ in scrape(metrics_url).items():
+        if name == "vllm:cache_config_info":
+            return int(dict(labels)["block_size"])
+    raise RuntimeError(f"{metrics_url} publishes no vllm:cache_config_info")
+
+
 def replica_counters(url: str) -> dict[str, float]:
     snapshot = scrape(url)
     return {
@@ -188,11 +217,18 @@ def per_replica(before: list[dict[str, float]], after: list[dict[str, float]]) -
     }
 
 
-def run_once(fleet: Fleet, policy: str, workload: Workload, chosen: list[str]) -> dict:
+def run_once(
+    fleet: Fleet,
+    policy: str,
+    workload: Workload,
+    chosen: list[str],
+    tokenizer: PreTrainedTokenizerBase,
+) -> dict:
+    best = best_hit_rate([tokenizer(p)["input_ids"] for p in chosen], fleet.block_tokens)
     before = [replica_counters(url) for url in fleet.metrics_urls]
     measured = asyncio.run(load(fleet.base_urls[policy], chosen, workload.concurrency))
     after = [replica_counters(url) for url in fleet.metrics_urls]
-    return {**measured, **per_replica(before, after)}
+    return {**measured, **per_replica(before, after), "best_hit_rate": best}
 
 
 @contextmanager
@@ -242,7 +278,7 @@ def fleet_running(
             time.sleep(0.5)
         time.sleep(2)  # Envoy's workers get the host set (and hash ring) just after
         urls = [f"http://127.0.0.1:{port}/metrics" for port in metrics_ports]
-        yield Fleet(replicas, urls, envoys, base_urls)
+        yield Fleet(replicas, urls, envoys, base_urls, engine_block_tokens(urls[0]))
     finally:
         for envoy in envoys.values():
             envoy.terminate()
@@ -257,7 +293,7 @@ def median_of(runs: list[dict], key: str) -> float:
 
 def summary(results: dict[str, dict[str, list[dict]]]) -> dict[str, dict[str, dict]]:
     """Medians over rounds, per workload and policy."""
-    keys = ("ttft_p50", "ttft_p90", "output_throughput", "hit_rate")
+    keys = ("ttft_p50", "ttft_p90", "output_throughput", "hit_rate", "best_hit_rate")
     table: dict[str, dict[str, dict]] = {}
     for workload, by_policy in results.items():
         table[workload] = {}
@@ -311,15 +347,16 @@ def markdown(table: dict[str, dict[str, dict]], met: list[dict[str, Any]], round
     lines = [
         f"# Routing: prefix affinity against least request ({rounds} rounds, medians)",
         "",
-        "| workload | policy | TTFT p50 s | TTFT p90 s | output tok/s | hit rate | per replica "
-        "hit rate | per replica share |",
-        "|---|---|---|---|---|---|---|---|",
+        "| workload | policy | TTFT p50 s | TTFT p90 s | output tok/s | hit rate | best possible "
+        "| per replica hit rate | per replica share |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for workload, by_policy in table.items():
         for policy, row in by_policy.items():
             lines.append(
                 f"| {workload} | {policy} | {row['ttft_p50']:.2f} | {row['ttft_p90']:.2f} | "
                 f"{row['output_throughput']:.1f} | {row['hit_rate']:.0%} | "
+                f"{row['best_hit_rate']:.0%} | "
                 + " / ".join(f"{rate:.0%}" for rate in row["replica_hit_rates"])
                 + " | "
                 + " / ".join(f"{share:.0%}" for share in row["replica_shares"])
@@ -327,7 +364,19 @@ def markdown(table: dict[str, dict[str, dict]], met: list[dict[str, Any]], round
             )
     lines += ["", "| target | measured | met |", "|---|---|---|"]
     lines += [f"| {t['target']} | {t['measured']} | {'yes' if t['met'] else 'no'} |" for t in met]
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, "", s1_headroom(table[WORKLOADS[0].name])]) + "\n"
+
+
+def s1_headroom(s1: dict[str, dict]) -> str:
+    """How close prefix came to the best any routing could do on S1, and what that best is
+    against least request: the hit-rate target cannot be met above it."""
+    best, reached = s1["prefix"]["best_hit_rate"], s1["prefix"]["hit_rate"]
+    least = s1["least-request"]["hit_rate"]
+    return (
+        f"S1: the best possible hit rate on the prefix runs' prompts (one cache that never evicts) "
+        f"is {best:.0%}, {best / least:.2f}x least request's measured {least:.0%}; prefix reached "
+        f"{reached / best:.0%} of it."
+    )
 
 
 def plot(path: Path, table: dict[str, dict[str, dict]]) -> None:
@@ -383,12 +432,14 @@ def main() -> None:
                 order = POLICIES if round_index % 2 == 0 else POLICIES[::-1]
                 for policy in order:
                     rng = random.Random(f"{round_index}/{workload.name}/{policy}")
-                    run = run_once(fleet, policy, workload, prompts(workload, rng, tokenizer))
+                    chosen = prompts(workload, rng, tokenizer)
+                    run = run_once(fleet, policy, workload, chosen, tokenizer)
                     results[workload.name][policy].append(run)
                     print(
                         f"round {round_index + 1}/{args.rounds} {workload.name} {policy}: "
                         f"TTFT p50 {run['ttft_p50']:.2f}s p90 {run['ttft_p90']:.2f}s, "
-                        f"{run['output_throughput']:.1f} tok/s, hit rate {run['hit_rate']:.0%}, "
+                        f"{run['output_throughput']:.1f} tok/s, hit rate {run['hit_rate']:.0%} "
+                        f"(best possible {run['best_hit_rate']:.0%}), "
                         f"shares {[round(s, 2) for s in run['replica_shares']]}",
                         flush=True,
                     )

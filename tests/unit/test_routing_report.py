@@ -36,6 +36,7 @@ def run(ttft: float, hit_rate: float, throughput: float = 10.0) -> dict:
         "ttft_p90": 2 * ttft,
         "output_throughput": throughput,
         "hit_rate": hit_rate,
+        "best_hit_rate": 0.95,
         "replica_hit_rates": [hit_rate, hit_rate],
         "replica_shares": [0.6, 0.4],
     }
@@ -84,3 +85,24 @@ def test_a_hot_prefix_takes_its_share() -> None:
     heads = [prompt.split("\nQuestion:")[0] for prompt in chosen]
     hottest = max(set(heads), key=heads.count)
     assert 0.75 < heads.count(hottest) / len(heads) < 0.85
+
+
+def test_the_best_possible_hit_rate_reuses_whole_shared_blocks_of_earlier_prompts() -> None:
+    document, other = list(range(10)), list(range(100, 110))
+    token_ids = [
+        [*document, 50],  # first sight: nothing to reuse
+        [*document, 51, 52],  # shares 10 tokens: two whole blocks of 4
+        [*other, 60],  # a new document
+        [*document, 53],  # shares 10 tokens with the first two
+        list(range(7)),  # shares all 7 with the document, but its last token is computed: 1 block
+    ]
+    total = 11 + 12 + 11 + 11 + 7
+    assert routing.best_hit_rate(token_ids, block_tokens=4) == pytest.approx((8 + 8 + 4) / total)
+    assert routing.best_hit_rate(token_ids, block_tokens=16) == 0.0
+
+
+def test_the_report_says_how_close_prefix_came_to_the_best_possible_on_s1() -> None:
+    table = routing.summary(results(run(0.5, 0.76), run(2.0, 0.38)))
+    line = routing.markdown(table, routing.targets(table), rounds=3).splitlines()[-1]
+    assert line.startswith("S1: the best possible hit rate")
+    assert "is 95%, 2.50x least request's measured 38%; prefix reached 80% of it." in line
