@@ -7,6 +7,7 @@
 # make bench-frontend-same-flags  the same through the test harness, same engine flags both sides
 # make profile CPU per generated token of each server and serving-path option, then bench-frontend
 # make bench-routing  two replicas behind Envoy: prefix affinity against least request
+# make bench-routing-keys  the same fleet: how long the routing key should be
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -18,7 +19,7 @@ STAMP := $(VENV)/.installed-$(ENGINE)
 # The unit layer; --confcutdir keeps tests/conftest.py (it starts the engine and Envoy) unloaded.
 UNIT_TESTS := tests/unit --confcutdir=tests/unit
 
-.PHONY: install serve test unit proto lint bench profile bench-frontend bench-frontend-same-flags bench-routing
+.PHONY: install serve test unit proto lint bench profile bench-frontend bench-frontend-same-flags bench-routing bench-routing-keys
 
 install: $(STAMP)
 
@@ -71,6 +72,12 @@ bench-frontend-same-flags: install
 # 3 rounds interleaved (about 15 minutes; ROUTING_ARGS=--rounds N); bench/results/routing.*.
 bench-routing: install
 	$(BIN)/python -m bench.routing $(ROUTING_ARGS)
+
+# The same fleet behind an Envoy per routing-key length (--prefix-chars) and one with least
+# request, over prompts shared at different depths, 2 rounds (about 15 minutes);
+# bench/results/routing-keys.*.
+bench-routing-keys: install
+	$(BIN)/python -m bench.routing_keys $(ROUTING_ARGS)
 
 proto: install
 	$(BIN)/python proto/generate.py

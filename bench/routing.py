@@ -37,18 +37,12 @@ import httpx
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from service.model.default_model import DEFAULT_SERVED_MODEL_NAME, prepare_default_model
-from tests.metrics import scrape
+from tests.metrics import engine_block_tokens, scrape
 from tests.processes import TestStack, free_port, healthy_upstreams
 
 RESULTS = Path(__file__).parent / "results"
 # prefix-hash (Envoy's hashing alone) runs beside them to show what the replica picker adds.
 POLICIES = ("least-request", "prefix-hash", "prefix")
-# The cluster each policy's completions go to (facade/balancing.py).
-POLICY_CLUSTERS = {
-    "least-request": "completion_service",
-    "prefix-hash": "completion_service_prefix",
-    "prefix": "completion_service_prefix",
-}
 # About 4.3 prefixes of 1,000 tokens per replica (46 KiB a token): 8 do not fit in one, do in
 # two, with little room to spare (0.21 GiB, 4.7 prefixes, left least request holding more than
 # half of them: BENCHMARKS.md, "Routing").
@@ -74,6 +68,9 @@ class Workload:
     requests: int
     concurrency: int
     hot_share: float = 0.0  # the share of requests that use the first prefix
+    prefix_tokens: int = PREFIX_TOKENS
+    # Instructions every prompt starts with, ahead of its prefix (0: none).
+    header_tokens: int = 0
 
 
 WORKLOADS = (
@@ -96,25 +93,35 @@ def words(rng: random.Random, count: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(count))
 
 
-def prefix_text(rng: random.Random, tokenizer: PreTrainedTokenizerBase) -> str:
-    """About PREFIX_TOKENS tokens of words (a document, few-shot examples, a system prompt)."""
-    text = f"Document {rng.randrange(10**9)}: "
-    while len(tokenizer(text)["input_ids"]) < PREFIX_TOKENS:
-        text += words(rng, 50) + ". "
+def prefix_text(
+    rng: random.Random,
+    tokenizer: PreTrainedTokenizerBase,
+    tokens: int = PREFIX_TOKENS,
+    title: str = "Document",
+) -> str:
+    """About `tokens` tokens of words (a document, few-shot examples, a system prompt)."""
+    text = f"{title} {rng.randrange(10**9)}: "
+    while len(tokenizer(text)["input_ids"]) < tokens:
+        text += words(rng, 10 if tokens < 200 else 50) + ". "
     return text
 
 
 def prompts(
     workload: Workload, rng: random.Random, tokenizer: PreTrainedTokenizerBase
 ) -> list[str]:
-    shared = [prefix_text(rng, tokenizer) for _ in range(workload.prefixes)]
+    shared = [prefix_text(rng, tokenizer, workload.prefix_tokens) for _ in range(workload.prefixes)]
+    header = (
+        prefix_text(rng, tokenizer, workload.header_tokens, "Instructions") + "\n"
+        if workload.header_tokens
+        else ""
+    )
     chosen = []
     for _ in range(workload.requests):
         if workload.hot_share and rng.random() < workload.hot_share:
             prefix = shared[0]
         else:
             prefix = rng.choice(shared[1:] if workload.hot_share else shared)
-        chosen.append(f"{prefix}\nQuestion: {words(rng, SUFFIX_WORDS)}?")
+        chosen.append(f"{header}{prefix}\nQuestion: {words(rng, SUFFIX_WORDS)}?")
     return chosen
 
 
@@ -187,14 +194,6 @@ def total(snapshot: dict[tuple[str, Any], float], name: str, **labels: str) -> f
     return sum(v for (n, ls), v in snapshot.items() if n == name and wanted <= set(ls))
 
 
-def engine_block_tokens(metrics_url: str) -> int:
-    """The engine's KV-cache block size, from the configuration vLLM publishes in its metrics."""
-    for (name, labels), _ in scrape(metrics_url).items():
-        if name == "vllm:cache_config_info":
-            return int(dict(labels)["block_size"])
-    raise RuntimeError(f"{metrics_url} publishes no vllm:cache_config_info")
-
-
 def replica_counters(url: str) -> dict[str, float]:
     snapshot = scrape(url)
     return {
@@ -231,10 +230,52 @@ def run_once(
     return {**measured, **per_replica(before, after), "best_hit_rate": best}
 
 
+def run_rounds(
+    fleet: Fleet, workloads: Sequence[Workload], names: list[str], rounds: int
+) -> dict[str, dict[str, list[dict]]]:
+    """Each workload through each named Envoy, `rounds` times; which Envoy goes first alternates
+    by round, and each run has prefixes of its own."""
+    tokenizer = AutoTokenizer.from_pretrained(prepare_default_model())
+    results: dict[str, dict[str, list[dict]]] = {w.name: {n: [] for n in names} for w in workloads}
+    for round_index in range(rounds):
+        for workload in workloads:
+            for name in names if round_index % 2 == 0 else names[::-1]:
+                rng = random.Random(f"{round_index}/{workload.name}/{name}")
+                chosen = prompts(workload, rng, tokenizer)
+                run = run_once(fleet, name, workload, chosen, tokenizer)
+                results[workload.name][name].append(run)
+                print(
+                    f"round {round_index + 1}/{rounds} {workload.name} {name}: "
+                    f"TTFT p50 {run['ttft_p50']:.2f}s p90 {run['ttft_p90']:.2f}s, "
+                    f"{run['output_throughput']:.1f} tok/s, hit rate {run['hit_rate']:.0%} "
+                    f"(best possible {run['best_hit_rate']:.0%}), "
+                    f"shares {[round(s, 2) for s in run['replica_shares']]}",
+                    flush=True,
+                )
+    return results
+
+
+def policy_envoys(balance_args: list[str]) -> dict[str, list[str]]:
+    """facade.launch's balancing arguments for each policy's Envoy."""
+    return {
+        policy: ["--balance", policy, *([] if policy == "least-request" else balance_args)]
+        for policy in POLICIES
+    }
+
+
+def completion_cluster(launch_args: list[str]) -> str:
+    """The cluster an Envoy launched with these arguments sends completions to
+    (facade/balancing.py): keyed calls have a cluster of their own."""
+    least_request = launch_args[launch_args.index("--balance") + 1] == "least-request"
+    return "completion_service" if least_request else "completion_service_prefix"
+
+
 @contextmanager
 def fleet_running(
-    model_dir: Path, log_dir: Path, balance_args: list[str], kv_cache_gib: float
+    model_dir: Path, log_dir: Path, envoy_args: dict[str, list[str]], kv_cache_gib: float
 ) -> Iterator[Fleet]:
+    """Two replicas, one a core, and an Envoy for each entry of `envoy_args` (a name, and
+    facade.launch's balancing arguments) in front of both."""
     metrics_ports = [free_port(), free_port()]
     replicas = [
         TestStack(
@@ -255,23 +296,22 @@ def fleet_running(
     try:
         for replica in replicas:
             replica.start(with_envoy=False)
-        for policy in POLICIES:
-            http_port, admin_ports[policy] = free_port(), free_port()
-            command = [sys.executable, "-m", "facade.launch", "--balance", policy]
-            if policy != "least-request":
-                command += balance_args
-            command += ["--http-port", str(http_port), "--admin-port", str(admin_ports[policy])]
+        for name, launch_args in envoy_args.items():
+            http_port, admin_ports[name] = free_port(), free_port()
+            command = [sys.executable, "-m", "facade.launch", *launch_args]
+            command += ["--http-port", str(http_port), "--admin-port", str(admin_ports[name])]
             for replica in replicas:
                 command += ["--upstream", replica.grpc_target]
-            envoys[policy] = subprocess.Popen(command, stdout=subprocess.DEVNULL)
-            base_urls[policy] = f"http://127.0.0.1:{http_port}"
+            envoys[name] = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+            base_urls[name] = f"http://127.0.0.1:{http_port}"
         for replica in replicas:
             replica.wait_ready_service(START_TIMEOUT)
         hosts = {replica.grpc_target for replica in replicas}
         deadline = time.monotonic() + 60
         while not all(
-            hosts <= healthy_upstreams(f"http://127.0.0.1:{port}", POLICY_CLUSTERS[policy])
-            for policy, port in admin_ports.items()
+            hosts
+            <= healthy_upstreams(f"http://127.0.0.1:{port}", completion_cluster(envoy_args[name]))
+            for name, port in admin_ports.items()
         ):
             if time.monotonic() > deadline:
                 raise RuntimeError("Envoy never saw both replicas healthy")
@@ -343,26 +383,36 @@ def targets(table: dict[str, dict[str, dict]]) -> list[dict[str, Any]]:
     ]
 
 
-def markdown(table: dict[str, dict[str, dict]], met: list[dict[str, Any]], rounds: int) -> str:
+def results_table(table: dict[str, dict[str, dict]], column: str = "policy") -> list[str]:
+    """The medians, a row per workload and Envoy."""
     lines = [
-        f"# Routing: prefix affinity against least request ({rounds} rounds, medians)",
-        "",
-        "| workload | policy | TTFT p50 s | TTFT p90 s | output tok/s | hit rate | best possible "
-        "| per replica hit rate | per replica share |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| workload | {column} | TTFT p50 s | TTFT p90 s | output tok/s | hit rate | best "
+        "possible | per replica hit rate | per replica share | smaller share |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for workload, by_policy in table.items():
-        for policy, row in by_policy.items():
+    for workload, by_envoy in table.items():
+        for envoy, row in by_envoy.items():
             lines.append(
-                f"| {workload} | {policy} | {row['ttft_p50']:.2f} | {row['ttft_p90']:.2f} | "
+                f"| {workload} | {envoy} | {row['ttft_p50']:.2f} | {row['ttft_p90']:.2f} | "
                 f"{row['output_throughput']:.1f} | {row['hit_rate']:.0%} | "
                 f"{row['best_hit_rate']:.0%} | "
                 + " / ".join(f"{rate:.0%}" for rate in row["replica_hit_rates"])
                 + " | "
                 + " / ".join(f"{share:.0%}" for share in row["replica_shares"])
-                + " |"
+                + f" | {row['min_replica_share']:.0%} |"
             )
-    lines += ["", "| target | measured | met |", "|---|---|---|"]
+    return lines
+
+
+def markdown(table: dict[str, dict[str, dict]], met: list[dict[str, Any]], rounds: int) -> str:
+    lines = [
+        f"# Routing: prefix affinity against least request ({rounds} rounds, medians)",
+        "",
+        *results_table(table),
+        "",
+        "| target | measured | met |",
+        "|---|---|---|",
+    ]
     lines += [f"| {t['target']} | {t['measured']} | {'yes' if t['met'] else 'no'} |" for t in met]
     return "\n".join([*lines, "", s1_headroom(table[WORKLOADS[0].name])]) + "\n"
 
@@ -418,31 +468,11 @@ def main() -> None:
     args = parser.parse_args()
     balance_args = ["--balance-factor", args.balance_factor] if args.balance_factor else []
     args.out.mkdir(parents=True, exist_ok=True)
-    model_dir = prepare_default_model()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    results: dict[str, dict[str, list[dict]]] = {
-        w.name: {p: [] for p in POLICIES} for w in WORKLOADS
-    }
     logs = Path(tempfile.mkdtemp(prefix="bench-routing-"))
     print(f"replica logs in {logs}", flush=True)
-    with fleet_running(model_dir, logs, balance_args, args.kv_cache_gib) as fleet:
-        for round_index in range(args.rounds):
-            for workload in WORKLOADS:
-                # Which policy goes first alternates by round; each run has prefixes of its own.
-                order = POLICIES if round_index % 2 == 0 else POLICIES[::-1]
-                for policy in order:
-                    rng = random.Random(f"{round_index}/{workload.name}/{policy}")
-                    chosen = prompts(workload, rng, tokenizer)
-                    run = run_once(fleet, policy, workload, chosen, tokenizer)
-                    results[workload.name][policy].append(run)
-                    print(
-                        f"round {round_index + 1}/{args.rounds} {workload.name} {policy}: "
-                        f"TTFT p50 {run['ttft_p50']:.2f}s p90 {run['ttft_p90']:.2f}s, "
-                        f"{run['output_throughput']:.1f} tok/s, hit rate {run['hit_rate']:.0%} "
-                        f"(best possible {run['best_hit_rate']:.0%}), "
-                        f"shares {[round(s, 2) for s in run['replica_shares']]}",
-                        flush=True,
-                    )
+    envoys = policy_envoys(balance_args)
+    with fleet_running(prepare_default_model(), logs, envoys, args.kv_cache_gib) as fleet:
+        results = run_rounds(fleet, WORKLOADS, list(envoys), args.rounds)
     table = summary(results)
     met = targets(table)
     document = {

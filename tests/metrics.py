@@ -18,3 +18,12 @@ def scrape(metrics_url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], fl
 
 def sample(metrics_url: str, name: str, **labels: str) -> float:
     return scrape(metrics_url).get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def engine_block_tokens(metrics_url: str) -> int:
+    """The engine's KV-cache block size, from the configuration vLLM publishes in its metrics:
+    prompts share cached tokens in whole blocks."""
+    for (name, labels), _ in scrape(metrics_url).items():
+        if name == "vllm:cache_config_info":
+            return int(dict(labels)["block_size"])
+    raise AssertionError(f"{metrics_url} publishes no vllm:cache_config_info")

@@ -26,9 +26,11 @@ import psutil
 import pytest
 from llmcompletions.v2 import completions_pb2_grpc
 
+from facade.balancing import PrefixAffinity
 from facade.picker import REPLICA_HEADER
 from tests.conftest import ENGINE_START_TIMEOUT, SMALL_ENGINE
 from tests.helpers import body, grpc_request
+from tests.metrics import engine_block_tokens
 from tests.processes import TestStack, free_port, healthy_upstreams
 from tests.test_adapters import build_adapter
 
@@ -150,8 +152,13 @@ def picker_of(envoy: subprocess.Popen[bytes]) -> tuple[psutil.Process, psutil.Pr
 
 
 def shared_prefix(label: str) -> str:
-    """A leading part longer than the key's (256 bytes), new to every replica's cache."""
-    return f"[{label} {uuid.uuid4()}] " + " ".join(f"Rule {i}: answer briefly." for i in range(30))
+    """A leading part longer than the key's, new to every replica's cache."""
+    text = f"[{label} {uuid.uuid4()}]"
+    rule = 0
+    while len(text) <= PrefixAffinity().chars:
+        text += f" Rule {rule}: answer briefly."
+        rule += 1
+    return text
 
 
 def rest_call(
@@ -210,21 +217,36 @@ def test_the_replica_picked_serves_and_the_other_is_next_for_retries(fleet: Flee
     assert reply.headers[HOST_HEADER] == picked[0]
 
 
+def prompt_tokens(fleet: Fleet, prompt: str) -> list[int]:
+    reply = httpx.post(f"{fleet.base_url}/v2/tokenize", json=body(prompt=prompt), timeout=30)
+    assert reply.status_code == 200, reply.text
+    return reply.json()["tokens"]
+
+
+def metrics_url(replica: TestStack) -> str:
+    port = replica.service_args[replica.service_args.index("--metrics-port") + 1]
+    return f"http://127.0.0.1:{port}/metrics"
+
+
 def test_the_keyed_replica_serves_the_shared_prefix_from_its_cache(fleet: Fleet) -> None:
     prefix = shared_prefix("cache")
-    first_host, first = rest_call(fleet, prompt=f"{prefix} First?", max_tokens=1)
-    again_host, again = rest_call(fleet, prompt=f"{prefix} Second, longer?", max_tokens=1)
+    first_prompt, again_prompt = f"{prefix} First?", f"{prefix} Second, longer?"
+    first_host, first = rest_call(fleet, prompt=first_prompt, max_tokens=1)
+    again_host, again = rest_call(fleet, prompt=again_prompt, max_tokens=1)
     assert again_host == first_host
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    # Every full block of the shared part came from the cache.
-    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0.8 * (
-        first["usage"]["prompt_tokens"] - 8
-    )
+    # Every whole block of the part the two prompts share came from the cache.
+    first_ids, again_ids = prompt_tokens(fleet, first_prompt), prompt_tokens(fleet, again_prompt)
+    pairs = zip(first_ids, again_ids, strict=False)  # they part before the shorter one ends
+    shared = next(i for i, (a, b) in enumerate(pairs) if a != b)
+    block = engine_block_tokens(metrics_url(fleet.replica_at(first_host)))
+    assert shared > 2 * block
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == shared // block * block
 
 
 def test_token_id_prompts_are_keyed_by_their_leading_ids(fleet: Fleet) -> None:
     for start in range(100, 104):
-        shared = list(range(start, start + 80))
+        shared = list(range(start, start + PrefixAffinity().tokens + 20))
         hosts = {
             rest_call(fleet, prompt=[*shared, 7, 8], max_tokens=1)[0],
             grpc_host(fleet, prompt=[*shared, 9], max_tokens=1),

@@ -153,7 +153,7 @@ def test_the_key_lengths_reach_the_lua_filter(
         ([], PrefixAffinity()),
         (["--balance", "least-request"], None),
         (["--balance", "prefix-hash"], PrefixAffinity(picker=False)),
-        (["--prefix-chars", "64", "--balance-factor", "200"], PrefixAffinity(64, 64, 200)),
+        (["--prefix-chars", "64", "--balance-factor", "200"], PrefixAffinity(64, 256, 200)),
     ],
 )
 def test_balance_options(

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from bench import routing
+from bench import routing, routing_keys
 
 
 class WordCount:
@@ -106,3 +106,38 @@ def test_the_report_says_how_close_prefix_came_to_the_best_possible_on_s1() -> N
     line = routing.markdown(table, routing.targets(table), rounds=3).splitlines()[-1]
     assert line.startswith("S1: the best possible hit rate")
     assert "is 95%, 2.50x least request's measured 38%; prefix reached 80% of it." in line
+
+
+def test_a_header_opens_every_prompt_ahead_of_its_document() -> None:
+    workload = routing.Workload(
+        "w", prefixes=4, requests=20, concurrency=2, prefix_tokens=300, header_tokens=50
+    )
+    chosen = routing.prompts(workload, random.Random(3), WordCount())
+    headers = {prompt.split("\nDocument ")[0] for prompt in chosen}
+    assert len(headers) == 1
+    (header,) = headers
+    assert header.startswith("Instructions ") and 50 <= len(header.split()) < 70
+    documents = {prompt.split("\nQuestion:")[0].removeprefix(header) for prompt in chosen}
+    assert len(documents) == 4
+    assert all(300 <= len(document.split()) < 360 for document in documents)
+
+
+def test_each_envoy_gets_its_balancing_and_is_watched_on_its_completion_cluster() -> None:
+    envoys = routing.policy_envoys(["--balance-factor", "150"])
+    assert envoys == {
+        "least-request": ["--balance", "least-request"],
+        "prefix-hash": ["--balance", "prefix-hash", "--balance-factor", "150"],
+        "prefix": ["--balance", "prefix", "--balance-factor", "150"],
+    }
+    clusters = {name: routing.completion_cluster(args) for name, args in envoys.items()}
+    assert clusters == {
+        "least-request": "completion_service",
+        "prefix-hash": "completion_service_prefix",
+        "prefix": "completion_service_prefix",
+    }
+    assert routing_keys.key_envoys()["key 1024 chars"] == [
+        "--balance",
+        "prefix",
+        "--prefix-chars",
+        "1024",
+    ]
