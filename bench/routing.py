@@ -10,8 +10,9 @@ every run draws prefixes no replica has seen, so no run inherits another's cache
 - S3 hot prefix: one prefix in 80% of requests, four others in the rest.
 
 Reported per run: TTFT p50/p90 (streamed, to the first event), output throughput, each
-replica's prefix-cache hit rate (the engine's own counters) and share of requests; medians over
-rounds, and the targets. Results in bench/results/routing.{json,md,png}.
+replica's prefix-cache hit rate (the engine's own counters) and share of requests, and the best
+hit rate any routing could reach on the run's prompts; medians over rounds, and the targets.
+Results in bench/results/routing.{json,md,png}.
 
 Usage: python -m bench.routing [--rounds N] [--out DIR]
 """
