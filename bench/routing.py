@@ -72,6 +72,7 @@ class Workload:
     prefix_tokens: int = PREFIX_TOKENS
     # Instructions every prompt starts with, ahead of its prefix (0: none).
     header_tokens: int = 0
+    token_ids: bool = False  # send each prompt as its token ids instead of its text
 
 
 WORKLOADS = (
@@ -147,7 +148,7 @@ def best_hit_rate(token_ids: list[list[int]], block_tokens: int) -> float:
 
 
 async def one_request(
-    client: httpx.AsyncClient, prompt: str, gate: asyncio.Semaphore
+    client: httpx.AsyncClient, prompt: str | list[int], gate: asyncio.Semaphore
 ) -> tuple[float, int]:
     """(time to the first streamed event, completion tokens)."""
     payload = {
@@ -175,7 +176,9 @@ async def one_request(
         return first or 0.0, tokens
 
 
-async def load(base_url: str, chosen: list[str], concurrency: int) -> dict[str, Any]:
+async def load(
+    base_url: str, chosen: Sequence[str | list[int]], concurrency: int
+) -> dict[str, Any]:
     gate = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
         started = time.perf_counter()
@@ -224,9 +227,11 @@ def run_once(
     chosen: list[str],
     tokenizer: PreTrainedTokenizerBase,
 ) -> dict:
-    best = best_hit_rate([tokenizer(p)["input_ids"] for p in chosen], fleet.block_tokens)
+    token_ids = [tokenizer(p)["input_ids"] for p in chosen]
+    best = best_hit_rate(token_ids, fleet.block_tokens)
+    sent = token_ids if workload.token_ids else chosen
     before = [replica_counters(url) for url in fleet.metrics_urls]
-    measured = asyncio.run(load(fleet.base_urls[policy], chosen, workload.concurrency))
+    measured = asyncio.run(load(fleet.base_urls[policy], sent, workload.concurrency))
     after = [replica_counters(url) for url in fleet.metrics_urls]
     return {**measured, **per_replica(before, after), "best_hit_rate": best}
 

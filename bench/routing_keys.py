@@ -41,38 +41,53 @@ from bench.routing import (
 )
 from service.model.default_model import prepare_default_model
 
-KEY_CHARS = (256, 1024, 4096)
+# (bytes of a text prompt, ids of a token-id prompt): the same depth at about 4 bytes a token.
+KEY_LENGTHS = ((256, 64), (1024, 256), (4096, 1024))
+INSTRUCTIONS = {"prefix_tokens": 850, "header_tokens": 150}
+SHORTER = {"prefixes": 12, "prefix_tokens": 600}
 WORKLOADS = (
     Workload("documents", prefixes=8, requests=64, concurrency=4),
     Workload(
-        "instructions, then documents",
+        "instructions, then documents", prefixes=8, requests=64, concurrency=4, **INSTRUCTIONS
+    ),
+    Workload("shorter documents", requests=64, concurrency=4, **SHORTER),
+    Workload(
+        "instructions, then documents, as token ids",
         prefixes=8,
         requests=64,
         concurrency=4,
-        prefix_tokens=850,
-        header_tokens=150,
+        token_ids=True,
+        **INSTRUCTIONS,
     ),
-    Workload("shorter documents", prefixes=12, requests=64, concurrency=4, prefix_tokens=600),
+    Workload(
+        "shorter documents, as token ids", requests=64, concurrency=4, token_ids=True, **SHORTER
+    ),
 )
 
 
 def key_envoys() -> dict[str, list[str]]:
     """facade.launch's balancing arguments for each Envoy, by name."""
     envoys = {"least-request": ["--balance", "least-request"]}
-    for chars in KEY_CHARS:
-        envoys[f"key {chars} chars"] = ["--balance", "prefix", "--prefix-chars", str(chars)]
+    for chars, tokens in KEY_LENGTHS:
+        envoys[f"key {chars} bytes / {tokens} ids"] = [
+            *("--balance", "prefix"),
+            *("--prefix-chars", str(chars), "--prefix-tokens", str(tokens)),
+        ]
     return envoys
 
 
 def depths(workload: Workload, tokenizer: PreTrainedTokenizerBase) -> dict[str, int]:
-    """Where a workload's prompts stop sharing, in characters (its first prompt)."""
+    """Where a workload's prompts stop sharing (its first prompt), in what its key counts:
+    bytes of text, or token ids."""
     prompt = prompts(workload, random.Random("depths"), tokenizer)[0]
-    document_start = prompt.index("Document ")
-    question_start = prompt.index("\nQuestion: ")
+
+    def length(text: str) -> int:
+        return len(tokenizer(text)["input_ids"]) if workload.token_ids else len(text.encode())
+
     return {
-        "shared by every prompt": document_start,
-        "shared by a document's prompts": question_start,
-        "whole prompt": len(prompt),
+        "shared by every prompt": length(prompt[: prompt.index("Document ")]),
+        "shared by a document's prompts": length(prompt[: prompt.index("\nQuestion: ")]),
+        "whole prompt": length(prompt),
     }
 
 
@@ -82,7 +97,7 @@ def markdown(table: dict[str, dict[str, dict]], shapes: dict[str, dict], rounds:
         "",
         *results_table(table, column="Envoy"),
         "",
-        "Where each workload's prompts stop sharing, in characters:",
+        "Where each workload's prompts stop sharing, in bytes (token ids for token-id prompts):",
         "",
         "| workload | shared by every prompt | shared by a document's prompts | whole prompt |",
         "|---|---|---|---|",

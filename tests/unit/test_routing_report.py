@@ -135,9 +135,6 @@ def test_each_envoy_gets_its_balancing_and_is_watched_on_its_completion_cluster(
         "prefix-hash": "completion_service_prefix",
         "prefix": "completion_service_prefix",
     }
-    assert routing_keys.key_envoys()["key 1024 chars"] == [
-        "--balance",
-        "prefix",
-        "--prefix-chars",
-        "1024",
+    assert routing_keys.key_envoys()["key 1024 bytes / 256 ids"] == [
+        *("--balance", "prefix", "--prefix-chars", "1024", "--prefix-tokens", "256")
     ]
