@@ -74,7 +74,7 @@ bench-routing: install
 	$(BIN)/python -m bench.routing $(ROUTING_ARGS)
 
 # The same fleet behind an Envoy per routing-key length (--prefix-chars) and one with least
-# request, over prompts shared at different depths, 2 rounds (about 15 minutes);
+# request, over prompts shared at different depths, 2 rounds (about 22 minutes);
 # bench/results/routing-keys.*.
 bench-routing-keys: install
 	$(BIN)/python -m bench.routing_keys $(ROUTING_ARGS)

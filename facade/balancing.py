@@ -67,11 +67,12 @@ class PrefixAffinity:
     requests in flight stay within `balance_factor` percent of the pool's average."""
 
     # Measured with make bench-routing-keys (BENCHMARKS.md): a key must reach past the part
-    # every prompt shares (instructions: 256 bytes put them all on one replica) and stop within
-    # the part worth keeping together (4096 bytes gave each 3,500-byte document's prompts keys
-    # of their own, spread as least request spreads them); 1024 did neither there.
+    # every prompt shares (150 tokens of instructions: 256 bytes or 64 ids put them all on one
+    # replica) and stop within the part worth keeping together (4096 bytes or 1024 ids gave
+    # each 600-token document's prompts keys of their own, spread as least request spreads
+    # them); 1024 bytes and 256 ids did neither there.
     chars: int = 1024  # of a text prompt
-    tokens: int = 256  # of a token-id prompt: the same depth at about 4 bytes a token
+    tokens: int = 256  # of a token-id prompt
     # Measured with make bench-routing (BENCHMARKS.md): 125 kept the most cache hits under
     # cache pressure and still spread a hot prefix; 100 spilled too early, 150 too late (Envoy
     # counts a replica overloaded only past ceil(factor x (all in flight + 1)) / replicas).
