@@ -1,19 +1,20 @@
 """How long a completion's routing key should be (`make bench-routing-keys`): bench-routing's two
 replicas and KV cache, behind one Envoy with least request and one with `--balance prefix` for
-each key length (`--prefix-chars`), over workloads whose shared parts sit at different depths of
-the prompt:
+each key length (`--prefix-chars` bytes of text, `--prefix-tokens` ids of a token-id prompt),
+over workloads whose shared parts sit at different depths of the prompt:
 
 - documents: 8 documents of about 1,000 tokens open the prompt (bench-routing's S1);
 - instructions, then documents: the same 150 tokens of instructions ahead of 8 documents of
   about 850 tokens;
-- shorter documents: 12 documents of about 600 tokens.
+- shorter documents: 12 documents of about 600 tokens;
+- the last two again, sent as token ids.
 
 A key shorter than the instructions every prompt shares gives every request the same key (one
 replica takes them until the load bound spills them); a key longer than a document and its
 question gives every request a key of its own (dealt out evenly, as least request would). The
 key is right between the two. Reported per workload and Envoy: TTFT, throughput, hit rate
-beside the best possible, shares; medians over rounds, and each workload's depths in characters.
-Results in bench/results/routing-keys.{json,md}.
+beside the best possible, shares; medians over rounds, and where each workload's prompts part,
+in what its key counts. Results in bench/results/routing-keys.{json,md}.
 
 Usage: python -m bench.routing_keys [--rounds N] [--out DIR]
 """
