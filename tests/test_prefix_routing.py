@@ -9,6 +9,7 @@ last one kills a replica."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import signal
 import subprocess
 import sys
@@ -151,13 +152,19 @@ def picker_of(envoy: subprocess.Popen[bytes]) -> tuple[psutil.Process, psutil.Pr
         time.sleep(0.2)
 
 
-def shared_prefix(label: str) -> str:
+# Words of one token each: a prefix longer than the key in bytes stays short in tokens, and
+# prefilling the prompts is where these tests spend their time.
+LONG_WORDS = ("information", "development", "international", "responsibility", "communication")
+
+
+def shared_prefix(label: str, min_words: int = 0) -> str:
     """A leading part longer than the key's, new to every replica's cache."""
     text = f"[{label} {uuid.uuid4()}]"
-    rule = 0
-    while len(text) <= PrefixAffinity().chars:
-        text += f" Rule {rule}: answer briefly."
-        rule += 1
+    words = itertools.cycle(LONG_WORDS)
+    count = 0
+    while len(text.encode()) <= PrefixAffinity().chars or count < min_words:
+        text += f" {next(words)}"
+        count += 1
     return text
 
 
@@ -229,7 +236,7 @@ def metrics_url(replica: TestStack) -> str:
 
 
 def test_the_keyed_replica_serves_the_shared_prefix_from_its_cache(fleet: Fleet) -> None:
-    prefix = shared_prefix("cache")
+    prefix = shared_prefix("cache", min_words=300)  # a few of the engine's blocks
     first_prompt, again_prompt = f"{prefix} First?", f"{prefix} Second, longer?"
     first_host, first = rest_call(fleet, prompt=first_prompt, max_tokens=1)
     again_host, again = rest_call(fleet, prompt=again_prompt, max_tokens=1)
