@@ -237,11 +237,14 @@ def run_once(
 
 
 def run_rounds(
-    fleet: Fleet, workloads: Sequence[Workload], names: list[str], rounds: int
+    fleet: Fleet,
+    workloads: Sequence[Workload],
+    names: list[str],
+    rounds: int,
+    tokenizer: PreTrainedTokenizerBase,
 ) -> dict[str, dict[str, list[dict]]]:
     """Each workload through each named Envoy, `rounds` times; which Envoy goes first alternates
     by round, and each run has prefixes of its own."""
-    tokenizer = AutoTokenizer.from_pretrained(prepare_default_model())
     results: dict[str, dict[str, list[dict]]] = {w.name: {n: [] for n in names} for w in workloads}
     for round_index in range(rounds):
         for workload in workloads:
@@ -477,8 +480,10 @@ def main() -> None:
     logs = Path(tempfile.mkdtemp(prefix="bench-routing-"))
     print(f"replica logs in {logs}", flush=True)
     envoys = policy_envoys(balance_args)
-    with fleet_running(prepare_default_model(), logs, envoys, args.kv_cache_gib) as fleet:
-        results = run_rounds(fleet, WORKLOADS, list(envoys), args.rounds)
+    model_dir = prepare_default_model()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    with fleet_running(model_dir, logs, envoys, args.kv_cache_gib) as fleet:
+        results = run_rounds(fleet, WORKLOADS, list(envoys), args.rounds, tokenizer)
     table = summary(results)
     met = targets(table)
     document = {

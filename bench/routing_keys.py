@@ -122,7 +122,7 @@ def main() -> None:
     print(f"replica logs in {logs}", flush=True)
     envoys = key_envoys()
     with fleet_running(model_dir, logs, envoys, KV_CACHE_GIB) as fleet:
-        results = run_rounds(fleet, WORKLOADS, list(envoys), args.rounds)
+        results = run_rounds(fleet, WORKLOADS, list(envoys), args.rounds, tokenizer)
     table = summary(results)
     document = {
         "settings": {

@@ -27,6 +27,7 @@ import psutil
 import pytest
 from llmcompletions.v2 import completions_pb2_grpc
 
+from bench.routing import common_prefix_length
 from facade.balancing import PrefixAffinity
 from facade.picker import REPLICA_HEADER
 from tests.conftest import ENGINE_START_TIMEOUT, SMALL_ENGINE
@@ -243,9 +244,9 @@ def test_the_keyed_replica_serves_the_shared_prefix_from_its_cache(fleet: Fleet)
     assert again_host == first_host
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     # Every whole block of the part the two prompts share came from the cache.
-    first_ids, again_ids = prompt_tokens(fleet, first_prompt), prompt_tokens(fleet, again_prompt)
-    pairs = zip(first_ids, again_ids, strict=False)  # they part before the shorter one ends
-    shared = next(i for i, (a, b) in enumerate(pairs) if a != b)
+    shared = common_prefix_length(
+        prompt_tokens(fleet, first_prompt), prompt_tokens(fleet, again_prompt)
+    )
     block = engine_block_tokens(metrics_url(fleet.replica_at(first_host)))
     assert shared > 2 * block
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == shared // block * block
