@@ -6,11 +6,15 @@ prefix cache then already holds that part (a system prompt, few-shot examples, a
 conversation so far); a replica loaded beyond a bound passes the key's requests on to another.
 The key is computed in Envoy after the transcoder, so REST and native gRPC calls are keyed
 alike: Envoy's gRPC field extraction reads `model` and the prompt from the request message, and
-a Lua filter turns them into the key header. Envoy then asks the replica picker
-(facade/picker), an external processor, which replica takes the key: it deals new keys out
-evenly over the replicas and keeps each key where it went while that replica is within the
+a Lua filter turns them into the key header, and the prompt's path (digests of its leading
+part at doubling depths) into another. Envoy then asks the replica picker (facade/picker), an
+external processor, which replica takes the request: the path tells it how much of the prompt
+earlier prompts shared and where they went, so that a document's prompts stay together while
+instructions that every prompt starts with do not pull all of them onto one replica; new
+prefixes are dealt out evenly, and each stays where it went while that replica is within the
 load bound. The keyed cluster follows the picker's answer (override-host balancing), and falls
-back to Envoy's own consistent hashing with bounded load when the picker has no answer.
+back to Envoy's own consistent hashing of the key with bounded load when the picker has no
+answer.
 
 `prefix-hash`: the same keys, balanced by Envoy alone (ring hash on the key with
 `hash_balance_factor`). Hashing a few keys over a few replicas is uneven (two keys land on the
@@ -43,6 +47,7 @@ from facade.picker import CLUSTER_METADATA, REPLICA_HEADER
 ROUTING_LUA_FILE = FACADE_DIR / "routing.lua"
 BALANCE_POLICIES = ("prefix", "prefix-hash", "least-request")
 PREFIX_HEADER = "x-prefix-key"
+PATH_HEADER = "x-prefix-path"
 TWIN_SUFFIX = "_prefix"  # a cluster's twin balanced by key
 EXTRACTION = "envoy.filters.http.grpc_field_extraction"
 ROUTING_FILTER = "llmcompletions.routing"
@@ -102,9 +107,14 @@ def extracted_fields(by_model: bool, affinity: PrefixAffinity | None) -> dict[st
 
 
 def routing_lua(affinity: PrefixAffinity | None) -> str:
-    """routing.lua, with the key's lengths (0: no key) set ahead of it."""
+    """routing.lua, with the key's lengths (0: no key), and whether to compute the prompt's
+    path for the picker, set ahead of it."""
     chars, tokens = (affinity.chars, affinity.tokens) if affinity else (0, 0)
-    return f"PREFIX_CHARS = {chars}\nPREFIX_TOKENS = {tokens}\n{ROUTING_LUA_FILE.read_text()}"
+    path = "true" if affinity is not None and affinity.picker else "false"
+    return (
+        f"PREFIX_CHARS = {chars}\nPREFIX_TOKENS = {tokens}\nPREFIX_PATH = {path}\n"
+        f"{ROUTING_LUA_FILE.read_text()}"
+    )
 
 
 def install_routing_filters(

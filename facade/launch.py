@@ -67,9 +67,10 @@ MODEL_HEADER = "x-model"
 DEBUG_HEADERS = [
     {"header": {"key": "x-upstream-host", "value": "%UPSTREAM_REMOTE_ADDRESS%"}},
     {"header": {"key": "x-upstream-service-time", "value": "%RESPONSE_DURATION%"}},
-    # The call's routing key (facade/balancing.py), when it has one, and the replicas the
-    # replica picker named for it, in order.
+    # The call's routing key and its prompt's path (facade/balancing.py), when it has them,
+    # and the replicas the replica picker named for it, in order.
     {"header": {"key": "x-prefix-key", "value": "%REQ(x-prefix-key)%"}},
+    {"header": {"key": "x-prefix-path", "value": "%REQ(x-prefix-path)%"}},
     {"header": {"key": "x-replica-picked", "value": "%REQ(x-replica)%"}},
 ]
 

@@ -2,8 +2,8 @@
 --
 -- Runs after the transcoder, so REST and gRPC calls look alike here: the gRPC field
 -- extraction filter before this one has read the request's `model` and, for a completion, its
--- prompt into dynamic metadata. facade/launch.py sets PREFIX_CHARS and PREFIX_TOKENS (0: no
--- key) ahead of this code.
+-- prompt into dynamic metadata. facade/balancing.py sets PREFIX_CHARS and PREFIX_TOKENS (0: no
+-- key) and PREFIX_PATH ahead of this code.
 --
 -- x-model: the pool's routes match it (several pools). A call without a model (ListModels),
 --   or with a name longer than any served one, loses any x-model a client sent and takes the
@@ -11,48 +11,105 @@
 -- x-prefix-key: a digest of a completion's model and the leading part of its first prompt
 --   (its first PREFIX_CHARS bytes of text, or first PREFIX_TOKENS token ids): Envoy hashes it
 --   to pick the replica. Any x-prefix-key a client sent is dropped.
+-- x-prefix-path: for the replica picker (PREFIX_PATH), "BASE LENGTH KEY...": the prompt's
+--   length (bytes of text, or token ids) and digests of its first BASE, 2 BASE, 4 BASE, ...
+--   units, up to its whole length (at most PATH_LEVELS of them): the picker reads from them how much of
+--   the prompt earlier prompts shared. One a client sent is dropped.
 -- x-replica: only the replica picker (facade/picker) sets it, after this filter; one a client
 --   sent is dropped, so that no caller can pin a replica.
 --
--- Both headers reach the replica as gRPC metadata too, so both stay short: a request's own
+-- These headers reach the replica as gRPC metadata too, so they stay short: a request's own
 -- values (a 100,000-character model name) must not push it past the replica's metadata limit.
 
 local EXTRACTION = "envoy.filters.http.grpc_field_extraction"
 local MAX_MODEL_BYTES = 256
+-- The path's first depth, and its deepest (13 levels): 64 bytes of text (about 16 tokens) to
+-- 256 KiB, 16 token ids to 64 Ki.
+local PATH_TEXT_BASE = 64
+local PATH_IDS_BASE = 16
+local PATH_LEVELS = 13
+local FNV_OFFSET = bit.tobit(2166136261)
 
 -- FNV-1a, 32 bits, in LuaJIT's bit operations (16777619 = 2^24 + 403, multiplied in two
 -- parts so that no product leaves the exact range of a double).
-local function digest(text)
-  local hash = bit.tobit(2166136261)
+local function mix_byte(hash, byte)
+  hash = bit.bxor(hash, byte)
+  return bit.tobit(bit.lshift(hash, 24) + hash * 403)
+end
+
+local function mix(hash, text)
   for i = 1, #text do
-    hash = bit.bxor(hash, string.byte(text, i))
-    hash = bit.tobit(bit.lshift(hash, 24) + hash * 403)
+    hash = mix_byte(hash, string.byte(text, i))
   end
-  return bit.tohex(hash)
+  return hash
+end
+
+local function digest(text)
+  return bit.tohex(mix(FNV_OFFSET, text))
+end
+
+-- "BASE LENGTH KEY...": the running digest of `seed` and then each unit, taken after the
+-- BASE-th, 2 BASE-th, 4 BASE-th, ... unit and after the last one. add(hash, i) mixes the i-th
+-- unit in (a byte of text, or a token id and a comma).
+local function path(seed, count, add, base)
+  local last = math.min(count, base * 2 ^ (PATH_LEVELS - 1))
+  local hash = mix(FNV_OFFSET, seed)
+  local keys = {}
+  local depth = base
+  for i = 1, last do
+    hash = add(hash, i)
+    if i == depth or i == last then
+      keys[#keys + 1] = bit.tohex(hash)
+      depth = depth * 2
+    end
+  end
+  if #keys == 0 then
+    return nil
+  end
+  return base .. " " .. count .. " " .. table.concat(keys, " ")
 end
 
 local function first(list)
   return list and list[1]
 end
 
-local function leading_part(fields)
+-- The first prompt: its text, or else its token ids.
+local function first_prompt(fields)
   local text = first(fields["prompt.string_value"])
     or first(fields["prompt.list_value.values.string_value"])
   if text ~= nil then
-    return "text:" .. string.sub(text, 1, PREFIX_CHARS)
+    return text, nil
   end
   local tokens = fields["prompt.list_value.values.number_value"]
   if tokens == nil or tokens[1] == nil then
     tokens = fields["prompt.list_value.values.list_value.values.number_value"]
   end
   if tokens == nil or tokens[1] == nil then
-    return nil
+    return nil, nil
+  end
+  return nil, tokens
+end
+
+local function leading_part(text, tokens)
+  if text ~= nil then
+    return "text:" .. string.sub(text, 1, PREFIX_CHARS)
   end
   local ids = {}
   for i = 1, math.min(#tokens, PREFIX_TOKENS) do
     ids[i] = tokens[i]
   end
   return "ids:" .. table.concat(ids, ",")
+end
+
+local function prompt_path(model, text, tokens)
+  if text ~= nil then
+    return path(model .. "\ntext:", #text, function(hash, i)
+      return mix_byte(hash, string.byte(text, i))
+    end, PATH_TEXT_BASE)
+  end
+  return path(model .. "\nids:", #tokens, function(hash, i)
+    return mix(hash, tokens[i] .. ",")
+  end, PATH_IDS_BASE)
 end
 
 function envoy_on_request(handle)
@@ -67,14 +124,21 @@ function envoy_on_request(handle)
   else
     headers:remove("x-model")
   end
-  local prefix = nil
+  local text, tokens = nil, nil
   if model ~= nil and PREFIX_CHARS > 0 then
-    prefix = leading_part(fields)
+    text, tokens = first_prompt(fields)
   end
-  if prefix ~= nil then
-    headers:replace("x-prefix-key", digest(model .. "\n" .. prefix))
+  local keyed = text ~= nil or tokens ~= nil
+  if keyed then
+    headers:replace("x-prefix-key", digest(model .. "\n" .. leading_part(text, tokens)))
   else
     headers:remove("x-prefix-key")
+  end
+  local prompt_keys = keyed and PREFIX_PATH and prompt_path(model, text, tokens)
+  if prompt_keys then
+    headers:replace("x-prefix-path", prompt_keys)
+  else
+    headers:remove("x-prefix-path")
   end
   headers:remove("x-replica")
   handle:clearRouteCache()

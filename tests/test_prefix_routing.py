@@ -1,7 +1,8 @@
 """Prefix-cache affinity through a real Envoy in front of two real replicas (each on a core of
 its own, with a LoRA adapter), Envoy started as `facade.launch` starts it by default:
 requests that share a model and leading prompt land on one replica (REST whole and streamed,
-gRPC, text and token ids), whose prefix cache then serves them; adapters are keyed apart;
+gRPC, text and token ids), whose prefix cache then serves them; instructions every prompt
+shares do not pull the documents after them onto one replica; adapters are keyed apart;
 calls without a prompt carry no key; a hot prefix spills to the other replica under load; a
 killed replica's prefixes move to the other without failures. Tests run in file order; the
 last one kills a replica."""
@@ -28,7 +29,7 @@ import pytest
 from llmcompletions.v2 import completions_pb2_grpc
 
 from bench.routing import common_prefix_length
-from facade.balancing import PrefixAffinity
+from facade.balancing import PATH_HEADER, PrefixAffinity
 from facade.picker import REPLICA_HEADER
 from tests.conftest import ENGINE_START_TIMEOUT, SMALL_ENGINE
 from tests.helpers import body, grpc_request
@@ -211,6 +212,26 @@ def test_requests_sharing_a_prefix_land_on_one_replica_on_both_surfaces(fleet: F
         homes.extend(hosts)
     # The picker deals new prefixes out evenly (the first test: no key seen before).
     assert sorted(homes.count(r.grpc_target) for r in fleet.replicas) == [4, 4], homes
+
+
+def test_shared_instructions_do_not_pull_the_documents_after_them_together(fleet: Fleet) -> None:
+    # Instructions longer than the key (Envoy's hashing alone would key every prompt alike),
+    # then a document of each prompt's own, three times as long.
+    instructions = shared_prefix("instructions")
+    documents = [shared_prefix(f"document {d}", min_words=300) for d in range(4)]
+    served: dict[int, set[str]] = {d: set() for d in range(4)}
+    for question in ("What is it about?", "Who wrote it?"):
+        for d, document in enumerate(documents):
+            prompt = f"{instructions}\n{document}\n{question}"
+            # A path a caller sends is replaced by the prompt's own.
+            host, _ = rest_call(
+                fleet, prompt=prompt, max_tokens=1, headers={PATH_HEADER: "1 1 forged"}
+            )
+            served[d].add(host)
+    assert all(len(hosts) == 1 for hosts in served.values()), served
+    homes = [hosts.pop() for hosts in served.values()]
+    # Dealt out evenly (the first test left each replica home to as many prefixes).
+    assert sorted(homes.count(r.grpc_target) for r in fleet.replicas) == [2, 2], homes
 
 
 def test_the_replica_picked_serves_and_the_other_is_next_for_retries(fleet: Fleet) -> None:

@@ -1,15 +1,26 @@
-"""Which replica a keyed completion goes to: the one whose prefix cache holds its key, within a
-load bound.
+"""Which replica a keyed completion goes to: the one whose prefix cache holds the most of its
+prompt, within a load bound.
 
-A key seen for the first time gets a home: the replica that is home to the fewest keys, so that
-the keys, and the prefixes the replicas' caches must hold, are dealt out evenly (hashing them
-would leave one replica with more than its share: with two replicas, two keys land on the same
-one half of the time). The key's requests then go home while home stays within the load bound,
-as Envoy's bounded-load hashing counts it; past the bound they spill, first to the replicas the
-key spilled to before (their caches may still hold it), else to the least loaded one, which is
+A prompt comes with its path: digests of its leading part at doubling depths (facade/
+routing.lua), so that the picker can tell how much of it an earlier prompt shared, and where
+that prompt went, without seeing the prompt. A prompt follows the deepest key already known, if
+that covers a fair share of it (FOLLOW_SHARE): the rest of a document after a question, a
+conversation after its next turn. Otherwise it starts a new branch: instructions every prompt
+begins with, followed by a document of its own, do not pull all the documents onto one replica.
+
+A new branch gets a home: the replica that is home to the fewest branches, so that the
+prefixes the replicas' caches must hold are dealt out evenly (hashing them would leave one
+replica with more than its share: with two replicas, two land on the same one half of the
+time). A branch's requests then go home while home stays within the load bound, as Envoy's
+bounded-load hashing counts it; past the bound they spill, first to the replicas the key
+spilled to before (their caches may still hold it), else to the least loaded one, which is
 remembered for the next spill. A spill is temporary: the next request goes home again if home
-has room, so a key's prefix stays cached in one place and a hot key spreads only as far as
-its load needs.
+has room, so a prefix stays cached in one place and a hot one spreads only as far as its load
+needs.
+
+This is the rule of the cache-aware routers of SGLang and vLLM's production stack (follow the
+longest match above a share of the prompt, else the replica with the least cached), with the
+match read from digests instead of a tree of the prompts' text.
 """
 
 from __future__ import annotations
@@ -17,10 +28,46 @@ from __future__ import annotations
 import math
 from collections import Counter, OrderedDict
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
-# Keys remembered per picker; the least recently used are forgotten first. A replica's cache
-# holds far fewer prefixes than this.
-DEFAULT_MAX_KEYS = 100_000
+# Keys remembered per picker (a dozen per prompt at most); the least recently used are
+# forgotten first. A replica's cache holds far fewer prefixes than this.
+DEFAULT_MAX_KEYS = 200_000
+# A prompt follows the deepest known key if that covers at least this share of it. The
+# routers above use 0.3 on the exact match; a key's depth is at least half the match.
+FOLLOW_SHARE = 0.3
+
+
+@dataclass(frozen=True)
+class PromptPath:
+    """A prompt's keys, shallow to deep: keys[i] is a digest of its first
+    min(base x 2^i, length) units (bytes of text, or token ids)."""
+
+    base: int
+    length: int
+    keys: tuple[str, ...]
+
+    def depth(self, level: int) -> int:
+        return min(self.base << level, self.length)
+
+    @classmethod
+    def parse(cls, value: str) -> PromptPath | None:
+        """From its header, "BASE LENGTH KEY...", or None if that is malformed."""
+        parts = value.split()
+        if len(parts) < 3 or not (parts[0].isdigit() and parts[1].isdigit()):
+            return None
+        base, length = int(parts[0]), int(parts[1])
+        if base < 1 or length < 1:
+            return None
+        return cls(base, length, tuple(parts[2:]))
+
+
+@dataclass
+class KeyRecord:
+    """The replicas that were sent a key: its home first, then where it spilled, in order."""
+
+    holders: list[str] = field(default_factory=list)
+    branch: bool = False  # the key a branch starts at, counted in its home's `homes`
 
 
 def load_bound(loads: Mapping[str, int], balance_factor: int) -> int:
@@ -35,59 +82,75 @@ class CacheAwarePolicy:
     def __init__(self, balance_factor: int, max_keys: int = DEFAULT_MAX_KEYS) -> None:
         self.balance_factor = balance_factor
         self.max_keys = max_keys
-        # (cluster, key) -> the replicas that were sent the key: its home first, then where it
-        # spilled, in order.
-        self.holders: OrderedDict[tuple[str, str], list[str]] = OrderedDict()
-        self.homes: Counter[tuple[str, str]] = Counter()  # (cluster, host) -> keys at home
-        self.decisions: Counter[str] = Counter()  # home, spilled, new key: for the log
+        self.keys: OrderedDict[tuple[str, str], KeyRecord] = OrderedDict()  # (cluster, key)
+        self.homes: Counter[tuple[str, str]] = Counter()  # (cluster, host) -> branches at home
+        self.decisions: Counter[str] = Counter()  # home, spilled, new branch: for the log
 
-    def choose(self, cluster: str, key: str, loads: Mapping[str, int]) -> list[str]:
+    def choose(self, cluster: str, path: PromptPath, loads: Mapping[str, int]) -> list[str]:
         """The cluster's healthy replicas (HOST:PORT -> requests in flight) in the order to try
         them: the pick first, then the others, least loaded first, for retries. None when the
         cluster has no healthy replica (Envoy's own balancing then decides)."""
         if not loads:
             return []
         bound = load_bound(loads, self.balance_factor)
-        holders = [host for host in self.holders.get((cluster, key), []) if host in loads]
-        within = [host for host in holders if loads[host] <= bound]
-        if within:
-            chosen = within[0]
-            self.decisions["home" if chosen == holders[0] else "spilled"] += 1
-        elif holders:
-            chosen = min(loads, key=lambda host: loads[host])
-            self.decisions["spilled"] += 1
+        level, holders = self.deepest_known(cluster, path, loads)
+        if holders and path.depth(level) >= FOLLOW_SHARE * path.length:
+            chosen = self.follow(holders, loads, bound)
+            branch_level = None
         else:
-            self.decisions["new key"] += 1
-            chosen = min(
-                loads,
-                key=lambda host: (
-                    loads[host] > bound,
-                    self.homes[(cluster, host)],
-                    loads[host],
-                ),
-            )
-        self.remember(cluster, key, chosen)
+            chosen = self.new_branch_home(cluster, loads, bound)
+            branch_level = level + 1 if holders else 0
+        for index, key in enumerate(path.keys):
+            self.remember(cluster, key, chosen, branch=index == branch_level)
         others = sorted((host for host in loads if host != chosen), key=lambda host: loads[host])
         return [chosen, *others]
 
-    def remember(self, cluster: str, key: str, host: str) -> None:
-        holders = self.holders.setdefault((cluster, key), [])
-        self.holders.move_to_end((cluster, key))
-        if host not in holders:
-            if not holders:
+    def deepest_known(
+        self, cluster: str, path: PromptPath, loads: Mapping[str, int]
+    ) -> tuple[int, list[str]]:
+        """The deepest level of the path some healthy replica was sent, and those replicas
+        (home first); (-1, []) if none."""
+        for level in range(len(path.keys) - 1, -1, -1):
+            record = self.keys.get((cluster, path.keys[level]))
+            holders = [host for host in record.holders if host in loads] if record else []
+            if holders:
+                return level, holders
+        return -1, []
+
+    def follow(self, holders: list[str], loads: Mapping[str, int], bound: int) -> str:
+        within = [host for host in holders if loads[host] <= bound]
+        if within:
+            self.decisions["home" if within[0] == holders[0] else "spilled"] += 1
+            return within[0]
+        self.decisions["spilled"] += 1
+        return min(loads, key=lambda host: loads[host])
+
+    def new_branch_home(self, cluster: str, loads: Mapping[str, int], bound: int) -> str:
+        self.decisions["new branch"] += 1
+        return min(
+            loads,
+            key=lambda host: (loads[host] > bound, self.homes[(cluster, host)], loads[host]),
+        )
+
+    def remember(self, cluster: str, key: str, host: str, branch: bool = False) -> None:
+        record = self.keys.setdefault((cluster, key), KeyRecord())
+        self.keys.move_to_end((cluster, key))
+        if host not in record.holders:
+            if not record.holders and branch:
+                record.branch = True
                 self.homes[(cluster, host)] += 1
-            holders.append(host)
-        while len(self.holders) > self.max_keys:
-            (old_cluster, _), old_holders = self.holders.popitem(last=False)
-            if old_holders:
-                self.homes[(old_cluster, old_holders[0])] -= 1
+            record.holders.append(host)
+        while len(self.keys) > self.max_keys:
+            (old_cluster, _), old = self.keys.popitem(last=False)
+            if old.branch and old.holders:
+                self.homes[(old_cluster, old.holders[0])] -= 1
 
     def forget_replica(self, cluster: str, host: str) -> None:
         """A replica left (drained, failed, restarted): its cache is gone or will be cold. Its
         keys' next holders become their homes."""
-        for (key_cluster, _), holders in self.holders.items():
-            if key_cluster == cluster and host in holders:
-                if holders[0] == host and len(holders) > 1:
-                    self.homes[(cluster, holders[1])] += 1
-                holders.remove(host)
+        for (key_cluster, _), record in self.keys.items():
+            if key_cluster == cluster and host in record.holders:
+                if record.branch and record.holders[0] == host and len(record.holders) > 1:
+                    self.homes[(cluster, record.holders[1])] += 1
+                record.holders.remove(host)
         self.homes.pop((cluster, host), None)

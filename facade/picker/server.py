@@ -1,6 +1,6 @@
 """The picker's process: Envoy's external processor (ext_proc) on a Unix socket, answering each
-keyed completion's request headers with the replicas to try, and a loop reading Envoy's view of
-the replicas from its admin interface.
+keyed completion's request headers (with its prompt's path) with the replicas to try, and a loop
+reading Envoy's view of the replicas from its admin interface.
 
 Usage: python -m facade.picker.server --socket PATH --admin-url URL [--balance-factor N]
 """
@@ -18,10 +18,10 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 
-from facade.balancing import PREFIX_HEADER
+from facade.balancing import PATH_HEADER
 from facade.picker import CLUSTER_METADATA, REPLICA_HEADER
 from facade.picker.fleet import FleetView, read_clusters
-from facade.picker.policy import CacheAwarePolicy
+from facade.picker.policy import CacheAwarePolicy, PromptPath
 
 READ_EVERY_SECONDS = 0.25  # health changes at Envoy's 2 s health checks
 REPORT_EVERY_SECONDS = 60
@@ -72,8 +72,9 @@ class ReplicaPicker(ext_proc_grpc.ExternalProcessorServicer):
         try:
             async for request in request_iterator:
                 if request.WhichOneof("request") == "request_headers":
-                    key = header_value(request.request_headers, PREFIX_HEADER)
-                    replicas = self.pick(str(cluster), key) if cluster and key else []
+                    value = header_value(request.request_headers, PATH_HEADER)
+                    path = PromptPath.parse(value) if value else None
+                    replicas = self.pick(str(cluster), path) if cluster and path else []
                     if replicas:
                         picked = replicas[0]
                         self.fleet.started(str(cluster), picked)
@@ -84,8 +85,8 @@ class ReplicaPicker(ext_proc_grpc.ExternalProcessorServicer):
             if picked is not None:
                 self.fleet.ended(str(cluster), picked)
 
-    def pick(self, cluster: str, key: str) -> list[str]:
-        return self.policy.choose(cluster, key, self.fleet.loads(cluster))
+    def pick(self, cluster: str, path: PromptPath) -> list[str]:
+        return self.policy.choose(cluster, path, self.fleet.loads(cluster))
 
 
 def report(policy: CacheAwarePolicy) -> None:

@@ -138,12 +138,22 @@ def test_envoy_reads_the_model_and_prompt_of_completions_only() -> None:
     assert all(names == ["model"] for method, names in with_pools.items() if "Create" not in method)
 
 
-@pytest.mark.parametrize(("affinity", "chars", "tokens"), [(AFFINITY, 100, 10), (None, 0, 0)])
-def test_the_key_lengths_reach_the_lua_filter(
-    affinity: PrefixAffinity | None, chars: int, tokens: int
+@pytest.mark.parametrize(
+    ("affinity", "settings"),
+    [
+        (AFFINITY, "PREFIX_CHARS = 100\nPREFIX_TOKENS = 10\nPREFIX_PATH = true\n"),
+        (
+            PrefixAffinity(100, 10, picker=False),
+            "PREFIX_CHARS = 100\nPREFIX_TOKENS = 10\nPREFIX_PATH = false\n",
+        ),
+        (None, "PREFIX_CHARS = 0\nPREFIX_TOKENS = 0\nPREFIX_PATH = false\n"),
+    ],
+)
+def test_the_key_settings_reach_the_lua_filter(
+    affinity: PrefixAffinity | None, settings: str
 ) -> None:
     source = balancing.routing_lua(affinity)
-    assert source.startswith(f"PREFIX_CHARS = {chars}\nPREFIX_TOKENS = {tokens}\n")
+    assert source.startswith(settings)
     assert "function envoy_on_request" in source
 
 

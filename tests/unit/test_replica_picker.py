@@ -1,6 +1,7 @@
-"""The replica picker's choices: new keys dealt out evenly, a key kept where its prefix is cached
-while that replica is within the load bound, spilled past it; Envoy's view read from its admin;
-the answer as Envoy's override-host balancing reads it."""
+"""The replica picker's choices: new prefixes dealt out evenly, a prompt sent where the most of it
+is cached (following a document, not instructions every prompt shares) while that replica is
+within the load bound, spilled past it; Envoy's view read from its admin; the answer as Envoy's
+override-host balancing reads it."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 
 from facade.picker import CLUSTER_METADATA, REPLICA_HEADER
 from facade.picker.fleet import FleetView, Replica, parse_clusters
-from facade.picker.policy import CacheAwarePolicy, load_bound
+from facade.picker.policy import FOLLOW_SHARE, CacheAwarePolicy, PromptPath, load_bound
 from facade.picker.server import ReplicaPicker, header_value, replica_response
 from facade.picker.supervisor import MAX_DELAY_SECONDS, STEADY_SECONDS, next_delay
 
@@ -22,8 +23,22 @@ A, B = "127.0.0.1:1", "127.0.0.1:2"
 IDLE = {A: 0, B: 0}
 
 
+def whole(key: str) -> PromptPath:
+    """A short prompt: one key, for all of it."""
+    return PromptPath(base=64, length=50, keys=(key,))
+
+
 def first_picks(policy: CacheAwarePolicy, keys: list[str], loads: dict[str, int]) -> list[str]:
-    return [policy.choose("pool", key, loads)[0] for key in keys]
+    return [policy.choose("pool", whole(key), loads)[0] for key in keys]
+
+
+def document_prompt(document: str, question: str, instructions: str = "") -> PromptPath:
+    """Keys as routing.lua computes them for 256 bytes of instructions (if any), then a document
+    of about 4 KiB, then a question of 40 bytes."""
+    head = [f"{instructions}/{level}" for level in range(3)] if instructions else []
+    body_levels = range(len(head), 7)
+    keys = [*head, *(f"{instructions}/{document}/{level}" for level in body_levels)]
+    return PromptPath(base=64, length=4136, keys=(*keys, f"{document}/{question}"))
 
 
 def test_new_keys_are_dealt_out_evenly() -> None:
@@ -31,6 +46,46 @@ def test_new_keys_are_dealt_out_evenly() -> None:
     assert Counter(first_picks(policy, [f"key{i}" for i in range(8)], IDLE)) == {A: 4, B: 4}
     two = CacheAwarePolicy(balance_factor=125)
     assert set(first_picks(two, ["x", "y"], IDLE)) == {A, B}
+
+
+def test_a_documents_prompts_stay_together_and_new_documents_are_dealt_out() -> None:
+    policy = CacheAwarePolicy(balance_factor=125)
+    asked = [document_prompt(f"doc{d}", f"q{q}") for q in range(3) for d in range(8)]
+    picks = [policy.choose("pool", path, IDLE)[0] for path in asked]
+    homes = picks[:8]
+    assert Counter(homes) == {A: 4, B: 4}
+    assert picks[8:16] == homes and picks[16:] == homes
+    assert policy.decisions == {"new branch": 8, "home": 16}
+
+
+def test_instructions_every_prompt_shares_do_not_pull_their_documents_together() -> None:
+    policy = CacheAwarePolicy(balance_factor=125)
+    asked = [document_prompt(f"doc{d}", f"q{q}", "rules") for q in range(2) for d in range(8)]
+    # The instructions are 256 of 4,136 bytes: below the share a prompt must have in common
+    # with a known one to follow it.
+    assert FOLLOW_SHARE * asked[0].length > 256
+    picks = [policy.choose("pool", path, IDLE)[0] for path in asked]
+    assert Counter(picks[:8]) == {A: 4, B: 4}
+    assert picks[8:] == picks[:8]
+
+
+def test_a_conversation_follows_its_earlier_turns() -> None:
+    policy = CacheAwarePolicy(balance_factor=125)
+    picks = []
+    for turn in range(4):  # each turn's prompt is the last one's with as much again after it
+        first_picks(policy, [f"other{turn}"], IDLE)  # other prefixes dealt out meanwhile
+        keys = tuple(f"chat/{level}" for level in range(turn + 2))
+        path = PromptPath(base=64, length=64 << (turn + 1), keys=keys)
+        picks.append(policy.choose("pool", path, IDLE)[0])
+    assert picks == [picks[0]] * 4
+
+
+def test_the_prompts_path_is_read_from_its_header() -> None:
+    path = PromptPath.parse("64 200 a1 b2 c3")
+    assert path == PromptPath(64, 200, ("a1", "b2", "c3"))
+    assert [path.depth(level) for level in range(3)] == [64, 128, 200]
+    for malformed in ("", "64 300", "x 300 a1", "0 300 a1", "64 -1 a1", "64 0 a1"):
+        assert PromptPath.parse(malformed) is None
 
 
 def test_a_key_stays_on_its_replica_within_the_bound() -> None:
@@ -74,12 +129,12 @@ def test_spills_do_not_count_as_homes() -> None:
 def test_the_other_replicas_follow_for_retries_least_loaded_first() -> None:
     policy = CacheAwarePolicy(balance_factor=125)
     c = "127.0.0.1:3"
-    order = policy.choose("pool", "key", {A: 2, B: 1, c: 0})
+    order = policy.choose("pool", whole("key"), {A: 2, B: 1, c: 0})
     assert order[0] == c and order[1:] == [B, A]
 
 
 def test_no_healthy_replica_leaves_the_choice_to_envoy() -> None:
-    assert CacheAwarePolicy(balance_factor=125).choose("pool", "key", {}) == []
+    assert CacheAwarePolicy(balance_factor=125).choose("pool", whole("key"), {}) == []
 
 
 def test_a_replica_that_left_hands_its_keys_to_their_next_holder() -> None:
@@ -88,7 +143,7 @@ def test_a_replica_that_left_hands_its_keys_to_their_next_holder() -> None:
     other = B if home == A else A
     assert first_picks(policy, ["key"], {other: 0}) == [other]  # home unhealthy meanwhile
     policy.forget_replica("pool", home)
-    assert policy.holders[("pool", "key")] == [other]
+    assert policy.keys[("pool", "key")].holders == [other]
     assert policy.homes[("pool", other)] == 1 and policy.homes[("pool", home)] == 0
     # Home back (restarted, cold): the key stays with its new home.
     assert first_picks(policy, ["key"], IDLE) == [other]
@@ -96,13 +151,13 @@ def test_a_replica_that_left_hands_its_keys_to_their_next_holder() -> None:
 
 def test_pools_are_dealt_separately() -> None:
     policy = CacheAwarePolicy(balance_factor=125)
-    assert policy.choose("one", "k1", IDLE)[0] == policy.choose("two", "k1", IDLE)[0]
+    assert policy.choose("one", whole("k1"), IDLE)[0] == policy.choose("two", whole("k1"), IDLE)[0]
 
 
 def test_the_least_recently_used_keys_are_forgotten() -> None:
     policy = CacheAwarePolicy(balance_factor=125, max_keys=2)
     first_picks(policy, ["k1", "k2", "k3"], IDLE)
-    assert list(policy.holders) == [("pool", "k2"), ("pool", "k3")]
+    assert list(policy.keys) == [("pool", "k2"), ("pool", "k3")]
     assert sum(policy.homes.values()) == 2
 
 
@@ -180,7 +235,8 @@ async def envoy_call(
     """One keyed request as Envoy sends it: headers, then (once `ended` is set) trailers."""
 
     async def messages() -> AsyncIterator[ext_proc.ProcessingRequest]:
-        yield ext_proc.ProcessingRequest(request_headers=headers(**{"x-prefix-key": key}))
+        path = f"64 50 {key}"
+        yield ext_proc.ProcessingRequest(request_headers=headers(**{"x-prefix-path": path}))
         await ended.wait()
         yield ext_proc.ProcessingRequest(response_trailers=ext_proc.HttpTrailers())
 
