@@ -73,9 +73,8 @@ bench-frontend-same-flags: install
 bench-routing: install
 	$(BIN)/python -m bench.routing $(ROUTING_ARGS)
 
-# The same fleet behind an Envoy per routing-key length (--prefix-chars) and one with least
-# request, over prompts shared at different depths, 2 rounds (about 22 minutes);
-# bench/results/routing-keys.*.
+# The same fleet and policies over prompts shared at different depths (one key, hashed by
+# Envoy, against the picker's path), 2 rounds (about 20 minutes); bench/results/routing-keys.*.
 bench-routing-keys: install
 	$(BIN)/python -m bench.routing_keys $(ROUTING_ARGS)
 

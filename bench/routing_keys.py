@@ -1,20 +1,24 @@
-"""How long a completion's routing key should be (`make bench-routing-keys`): bench-routing's two
-replicas and KV cache, behind one Envoy with least request and one with `--balance prefix` for
-each key length (`--prefix-chars` bytes of text, `--prefix-tokens` ids of a token-id prompt),
-over workloads whose shared parts sit at different depths of the prompt:
+"""Where prompts part, and whether routing follows (`make bench-routing-keys`): bench-routing's
+two replicas and KV cache, behind three Envoys: least request, `--balance prefix-hash` (Envoy's
+hashing of one key, the leading `--prefix-chars` bytes or `--prefix-tokens` ids: also what
+`prefix` falls back to without its picker) and `--balance prefix` (the replica picker, following
+each prompt's path), over workloads whose shared parts sit at different depths of the prompt:
 
 - documents: 8 documents of about 1,000 tokens open the prompt (bench-routing's S1);
 - instructions, then documents: the same 150 tokens of instructions ahead of 8 documents of
   about 850 tokens;
+- long instructions, then documents: 400 tokens of instructions (past the key) ahead of 8
+  documents of about 600 tokens;
 - shorter documents: 12 documents of about 600 tokens;
 - the last two again, sent as token ids.
 
-A key shorter than the instructions every prompt shares gives every request the same key (one
-replica takes them until the load bound spills them); a key longer than a document and its
-question gives every request a key of its own (dealt out evenly, as least request would). The
-key is right between the two. Reported per workload and Envoy: TTFT, throughput, hit rate
-beside the best possible, shares; medians over rounds, and where each workload's prompts part,
-in what its key counts. Results in bench/results/routing-keys.{json,md}.
+One key cannot fit every workload: one shorter than the instructions every prompt shares gives
+every request the same key (one replica takes them until the load bound spills them), one
+longer than a document and its question gives every request a key of its own (spread as least
+request would spread them). The picker's path has no length to choose. Reported per workload and
+Envoy: TTFT, throughput, hit rate beside the best possible, shares; medians over rounds, and
+where each workload's prompts part, in bytes or ids. Results in
+bench/results/routing-keys.{json,md}.
 
 Usage: python -m bench.routing_keys [--rounds N] [--out DIR]
 """
@@ -35,6 +39,7 @@ from bench.routing import (
     RESULTS,
     Workload,
     fleet_running,
+    policy_envoys,
     prompts,
     results_table,
     run_rounds,
@@ -42,39 +47,34 @@ from bench.routing import (
 )
 from service.model.default_model import prepare_default_model
 
-# (bytes of a text prompt, ids of a token-id prompt): the same depth at about 4 bytes a token.
-KEY_LENGTHS = ((256, 64), (1024, 256), (4096, 1024))
 INSTRUCTIONS = {"prefix_tokens": 850, "header_tokens": 150}
+LONG_INSTRUCTIONS = {"prefix_tokens": 600, "header_tokens": 400}
 SHORTER = {"prefixes": 12, "prefix_tokens": 600}
 WORKLOADS = (
     Workload("documents", prefixes=8, requests=64, concurrency=4),
     Workload(
         "instructions, then documents", prefixes=8, requests=64, concurrency=4, **INSTRUCTIONS
     ),
+    Workload(
+        "long instructions, then documents",
+        prefixes=8,
+        requests=64,
+        concurrency=4,
+        **LONG_INSTRUCTIONS,
+    ),
     Workload("shorter documents", requests=64, concurrency=4, **SHORTER),
     Workload(
-        "instructions, then documents, as token ids",
+        "long instructions, then documents, as token ids",
         prefixes=8,
         requests=64,
         concurrency=4,
         token_ids=True,
-        **INSTRUCTIONS,
+        **LONG_INSTRUCTIONS,
     ),
     Workload(
         "shorter documents, as token ids", requests=64, concurrency=4, token_ids=True, **SHORTER
     ),
 )
-
-
-def key_envoys() -> dict[str, list[str]]:
-    """facade.launch's balancing arguments for each Envoy, by name."""
-    envoys = {"least-request": ["--balance", "least-request"]}
-    for chars, tokens in KEY_LENGTHS:
-        envoys[f"key {chars} bytes / {tokens} ids"] = [
-            *("--balance", "prefix"),
-            *("--prefix-chars", str(chars), "--prefix-tokens", str(tokens)),
-        ]
-    return envoys
 
 
 def depths(workload: Workload, tokenizer: PreTrainedTokenizerBase) -> dict[str, int]:
@@ -94,7 +94,7 @@ def depths(workload: Workload, tokenizer: PreTrainedTokenizerBase) -> dict[str, 
 
 def markdown(table: dict[str, dict[str, dict]], shapes: dict[str, dict], rounds: int) -> str:
     lines = [
-        f"# Routing keys: how long a key should be ({rounds} rounds, medians)",
+        f"# Routing keys: one key against the prompt's path ({rounds} rounds, medians)",
         "",
         *results_table(table, column="Envoy"),
         "",
@@ -120,7 +120,7 @@ def main() -> None:
     shapes = {w.name: depths(w, tokenizer) for w in WORKLOADS}
     logs = Path(tempfile.mkdtemp(prefix="bench-routing-keys-"))
     print(f"replica logs in {logs}", flush=True)
-    envoys = key_envoys()
+    envoys = policy_envoys([])  # each policy with the default key and load bound
     with fleet_running(model_dir, logs, envoys, KV_CACHE_GIB) as fleet:
         results = run_rounds(fleet, WORKLOADS, list(envoys), args.rounds, tokenizer)
     table = summary(results)

@@ -12,9 +12,10 @@
 --   (its first PREFIX_CHARS bytes of text, or first PREFIX_TOKENS token ids): Envoy hashes it
 --   to pick the replica. Any x-prefix-key a client sent is dropped.
 -- x-prefix-path: for the replica picker (PREFIX_PATH), "BASE LENGTH KEY...": the prompt's
---   length (bytes of text, or token ids) and digests of its first BASE, 2 BASE, 4 BASE, ...
---   units, up to its whole length (at most PATH_LEVELS of them): the picker reads from them how much of
---   the prompt earlier prompts shared. One a client sent is dropped.
+--   length (bytes of text, or token ids) and digests of its first BASE, 1.5 BASE, 2 BASE,
+--   3 BASE, 4 BASE, ... units (facade/picker/policy.py's level_depth), up to its whole length
+--   or PATH_LEVELS keys: the picker reads from them how much of the prompt earlier prompts
+--   shared. One a client sent is dropped.
 -- x-replica: only the replica picker (facade/picker) sets it, after this filter; one a client
 --   sent is dropped, so that no caller can pin a replica.
 --
@@ -23,11 +24,11 @@
 
 local EXTRACTION = "envoy.filters.http.grpc_field_extraction"
 local MAX_MODEL_BYTES = 256
--- The path's first depth, and its deepest (13 levels): 64 bytes of text (about 16 tokens) to
+-- The path's first depth, and its deepest (25 levels): 64 bytes of text (about 16 tokens) to
 -- 256 KiB, 16 token ids to 64 Ki.
 local PATH_TEXT_BASE = 64
 local PATH_IDS_BASE = 16
-local PATH_LEVELS = 13
+local PATH_LEVELS = 25
 local FNV_OFFSET = bit.tobit(2166136261)
 
 -- FNV-1a, 32 bits, in LuaJIT's bit operations (16777619 = 2^24 + 403, multiplied in two
@@ -48,11 +49,20 @@ local function digest(text)
   return bit.tohex(mix(FNV_OFFSET, text))
 end
 
+-- Units covered at each level of a path: base, 1.5 base, 2 base, 3 base, 4 base, ...
+local function level_depth(base, level)
+  local doubled = base * 2 ^ math.floor(level / 2)
+  if level % 2 == 0 then
+    return doubled
+  end
+  return doubled * 3 / 2
+end
+
 -- "BASE LENGTH KEY...": the running digest of `seed` and then each unit, taken after the
--- BASE-th, 2 BASE-th, 4 BASE-th, ... unit and after the last one. add(hash, i) mixes the i-th
--- unit in (a byte of text, or a token id and a comma).
+-- level_depth(BASE, 0)-th, level_depth(BASE, 1)-th, ... unit and after the last one.
+-- add(hash, i) mixes the i-th unit in (a byte of text, or a token id and a comma).
 local function path(seed, count, add, base)
-  local last = math.min(count, base * 2 ^ (PATH_LEVELS - 1))
+  local last = math.min(count, level_depth(base, PATH_LEVELS - 1))
   local hash = mix(FNV_OFFSET, seed)
   local keys = {}
   local depth = base
@@ -60,7 +70,7 @@ local function path(seed, count, add, base)
     hash = add(hash, i)
     if i == depth or i == last then
       keys[#keys + 1] = bit.tohex(hash)
-      depth = depth * 2
+      depth = level_depth(base, #keys)
     end
   end
   if #keys == 0 then

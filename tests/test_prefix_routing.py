@@ -31,6 +31,7 @@ from llmcompletions.v2 import completions_pb2_grpc
 from bench.routing import common_prefix_length
 from facade.balancing import PATH_HEADER, PrefixAffinity
 from facade.picker import REPLICA_HEADER
+from facade.picker.policy import PromptPath
 from tests.conftest import ENGINE_START_TIMEOUT, SMALL_ENGINE
 from tests.helpers import body, grpc_request
 from tests.metrics import engine_block_tokens
@@ -288,6 +289,36 @@ def key_of(fleet: Fleet, **fields: Any) -> str:
     reply = httpx.post(f"{fleet.base_url}/v2/completions", json=body(**fields), timeout=120)
     assert reply.status_code == 200, reply.text[:300]
     return reply.headers[KEY_HEADER]
+
+
+def path_of(fleet: Fleet, prompt: str | list[int]) -> PromptPath:
+    reply = httpx.post(
+        f"{fleet.base_url}/v2/completions", json=body(prompt=prompt, max_tokens=1), timeout=120
+    )
+    assert reply.status_code == 200, reply.text[:300]
+    path = PromptPath.parse(reply.headers[PATH_HEADER])
+    assert path is not None, reply.headers[PATH_HEADER]
+    return path
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "base", "shared_levels"),
+    [
+        # 500 bytes alike: the keys of 64, 96, 128, 192, 256 and 384 bytes.
+        ("a" * 500 + "b" * 300, "a" * 500 + "c" * 300, 64, 6),
+        # 40 ids alike: the keys of 16, 24 and 32 ids.
+        (list(range(1, 61)), [*range(1, 41), *range(100, 120)], 16, 3),
+    ],
+)
+def test_the_path_keys_a_prompt_at_the_depths_the_picker_reads(
+    fleet: Fleet, first: str | list[int], second: str | list[int], base: int, shared_levels: int
+) -> None:
+    one, other = path_of(fleet, first), path_of(fleet, second)
+    assert (one.base, one.length) == (base, len(first))
+    # One key per level until a level covers the whole prompt.
+    assert one.depth(len(one.keys) - 2) < one.length == one.depth(len(one.keys) - 1)
+    alike = common_prefix_length(one.keys, other.keys)
+    assert alike == shared_levels, (one, other)
 
 
 def test_adapters_of_a_pool_are_keyed_apart(fleet: Fleet) -> None:

@@ -1,12 +1,13 @@
 """Which replica a keyed completion goes to: the one whose prefix cache holds the most of its
 prompt, within a load bound.
 
-A prompt comes with its path: digests of its leading part at doubling depths (facade/
+A prompt comes with its path: digests of its leading part at growing depths (facade/
 routing.lua), so that the picker can tell how much of it an earlier prompt shared, and where
-that prompt went, without seeing the prompt. A prompt follows the deepest key already known, if
-that covers a fair share of it (FOLLOW_SHARE): the rest of a document after a question, a
-conversation after its next turn. Otherwise it starts a new branch: instructions every prompt
-begins with, followed by a document of its own, do not pull all the documents onto one replica.
+that prompt went, without seeing the prompt. A prompt follows the deepest key already known if
+that covers at least half of it: a document before a question, a conversation before its next
+turn. Otherwise the prompt is mostly new and starts a new branch: instructions that every
+prompt begins with, followed by a document of its own, do not pull all the documents onto the
+replica that saw the instructions first.
 
 A new branch gets a home: the replica that is home to the fewest branches, so that the
 prefixes the replicas' caches must hold are dealt out evenly (hashing them would leave one
@@ -18,9 +19,9 @@ remembered for the next spill. A spill is temporary: the next request goes home 
 has room, so a prefix stays cached in one place and a hot one spreads only as far as its load
 needs.
 
-This is the rule of the cache-aware routers of SGLang and vLLM's production stack (follow the
-longest match above a share of the prompt, else the replica with the least cached), with the
-match read from digests instead of a tree of the prompts' text.
+This is the rule of the cache-aware routers of SGLang and vLLM's router (follow the longest
+match above a share of the prompt, else the replica with the least cached), with the match read
+from digests instead of a tree of the prompts' text.
 """
 
 from __future__ import annotations
@@ -30,25 +31,34 @@ from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-# Keys remembered per picker (a dozen per prompt at most); the least recently used are
-# forgotten first. A replica's cache holds far fewer prefixes than this.
+# Keys remembered per picker (at most 25 per prompt); the least recently used are forgotten
+# first. A replica's cache holds far fewer prefixes than this.
 DEFAULT_MAX_KEYS = 200_000
-# A prompt follows the deepest known key if that covers at least this share of it. The
-# routers above use 0.3 on the exact match; a key's depth is at least half the match.
-FOLLOW_SHARE = 0.3
+# A prompt follows the deepest known key if that covers at least this share of it. The routers
+# above follow 0.3 of an exact match, which sends prompts whose instructions are a third of
+# them all to one replica. The deepest known key covers at least two thirds of the part shared
+# (its levels grow by at most 1.5 times): a prompt that shares three quarters with an earlier
+# one always follows it, one that shares less than half never does.
+FOLLOW_SHARE = 0.5
+
+
+def level_depth(base: int, level: int) -> int:
+    """Units a path's key covers at each level: base, 1.5 base, 2 base, 3 base, 4 base, ..."""
+    doubled = base << (level // 2)
+    return doubled if level % 2 == 0 else doubled * 3 // 2
 
 
 @dataclass(frozen=True)
 class PromptPath:
     """A prompt's keys, shallow to deep: keys[i] is a digest of its first
-    min(base x 2^i, length) units (bytes of text, or token ids)."""
+    min(level_depth(base, i), length) units (bytes of text, or token ids)."""
 
     base: int
     length: int
     keys: tuple[str, ...]
 
     def depth(self, level: int) -> int:
-        return min(self.base << level, self.length)
+        return min(level_depth(self.base, level), self.length)
 
     @classmethod
     def parse(cls, value: str) -> PromptPath | None:

@@ -6,6 +6,7 @@ override-host balancing reads it."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections import Counter
 from collections.abc import AsyncIterator
 from unittest import mock
@@ -15,7 +16,13 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 
 from facade.picker import CLUSTER_METADATA, REPLICA_HEADER
 from facade.picker.fleet import FleetView, Replica, parse_clusters
-from facade.picker.policy import FOLLOW_SHARE, CacheAwarePolicy, PromptPath, load_bound
+from facade.picker.policy import (
+    FOLLOW_SHARE,
+    CacheAwarePolicy,
+    PromptPath,
+    level_depth,
+    load_bound,
+)
 from facade.picker.server import ReplicaPicker, header_value, replica_response
 from facade.picker.supervisor import MAX_DELAY_SECONDS, STEADY_SECONDS, next_delay
 
@@ -32,13 +39,24 @@ def first_picks(policy: CacheAwarePolicy, keys: list[str], loads: dict[str, int]
     return [policy.choose("pool", whole(key), loads)[0] for key in keys]
 
 
-def document_prompt(document: str, question: str, instructions: str = "") -> PromptPath:
-    """Keys as routing.lua computes them for 256 bytes of instructions (if any), then a document
-    of about 4 KiB, then a question of 40 bytes."""
-    head = [f"{instructions}/{level}" for level in range(3)] if instructions else []
-    body_levels = range(len(head), 7)
-    keys = [*head, *(f"{instructions}/{document}/{level}" for level in body_levels)]
-    return PromptPath(base=64, length=4136, keys=(*keys, f"{document}/{question}"))
+def prompt_path(*parts: tuple[str, int], base: int = 64) -> PromptPath:
+    """The path routing.lua sends for a prompt made of these parts (a name, and its length):
+    prompts share a key where the same parts cover its depth."""
+    length = sum(size for _, size in parts)
+    keys: list[str] = []
+    while not keys or PromptPath(base, length, ()).depth(len(keys) - 1) < length:
+        depth = PromptPath(base, length, ()).depth(len(keys))
+        starts = itertools.accumulate((size for _, size in parts), initial=0)
+        covered = [name for (name, _), start in zip(parts, starts, strict=False) if start < depth]
+        keys.append(f"{'/'.join(covered)}@{depth}")
+    return PromptPath(base, length, tuple(keys))
+
+
+def document_prompt(document: str, question: str, instructions: int = 0) -> PromptPath:
+    """A prompt of `instructions` bytes every prompt starts with, then a document of 4 KiB, then
+    a question of 40 bytes."""
+    head = [("rules", instructions)] if instructions else []
+    return prompt_path(*head, (document, 4096), (question, 40))
 
 
 def test_new_keys_are_dealt_out_evenly() -> None:
@@ -60,30 +78,46 @@ def test_a_documents_prompts_stay_together_and_new_documents_are_dealt_out() -> 
 
 def test_instructions_every_prompt_shares_do_not_pull_their_documents_together() -> None:
     policy = CacheAwarePolicy(balance_factor=125)
-    asked = [document_prompt(f"doc{d}", f"q{q}", "rules") for q in range(2) for d in range(8)]
-    # The instructions are 256 of 4,136 bytes: below the share a prompt must have in common
-    # with a known one to follow it.
-    assert FOLLOW_SHARE * asked[0].length > 256
+    # 2,000 bytes of instructions ahead of 4 KiB documents: a third of the prompt, short of
+    # the share a prompt must have in common with a known one to follow it.
+    asked = [document_prompt(f"doc{d}", f"q{q}", 2000) for q in range(2) for d in range(8)]
+    assert FOLLOW_SHARE * asked[0].length > 2000
     picks = [policy.choose("pool", path, IDLE)[0] for path in asked]
     assert Counter(picks[:8]) == {A: 4, B: 4}
     assert picks[8:] == picks[:8]
+    assert policy.decisions == {"new branch": 8, "home": 8}
 
 
 def test_a_conversation_follows_its_earlier_turns() -> None:
     policy = CacheAwarePolicy(balance_factor=125)
+    turns = [("opening", 1000)]
     picks = []
-    for turn in range(4):  # each turn's prompt is the last one's with as much again after it
+    for turn in range(4):  # each turn's prompt is the last one's, its answer and a question
         first_picks(policy, [f"other{turn}"], IDLE)  # other prefixes dealt out meanwhile
-        keys = tuple(f"chat/{level}" for level in range(turn + 2))
-        path = PromptPath(base=64, length=64 << (turn + 1), keys=keys)
-        picks.append(policy.choose("pool", path, IDLE)[0])
+        picks.append(policy.choose("pool", prompt_path(*turns), IDLE)[0])
+        turns += [(f"answer{turn}", 200), (f"question{turn}", 150)]
     assert picks == [picks[0]] * 4
+    assert policy.decisions == {"new branch": 5, "home": 3}
+
+
+def test_a_prompt_less_than_half_cached_anywhere_is_a_new_branch() -> None:
+    policy = CacheAwarePolicy(balance_factor=125)
+    first = policy.choose("pool", prompt_path(("opening", 300)), IDLE)[0]
+    # A long answer and question after a short opening: most of the prompt is new.
+    second = policy.choose("pool", prompt_path(("opening", 300), ("answer", 600)), IDLE)[0]
+    assert policy.decisions == {"new branch": 2}
+    assert {first, second} == {A, B}
+
+
+def test_the_path_deepens_by_at_most_half_at_each_level() -> None:
+    assert [level_depth(64, level) for level in range(7)] == [64, 96, 128, 192, 256, 384, 512]
+    assert level_depth(16, 24) == 16 * 4096  # the deepest of routing.lua's 25 levels
 
 
 def test_the_prompts_path_is_read_from_its_header() -> None:
-    path = PromptPath.parse("64 200 a1 b2 c3")
-    assert path == PromptPath(64, 200, ("a1", "b2", "c3"))
-    assert [path.depth(level) for level in range(3)] == [64, 128, 200]
+    path = PromptPath.parse("64 120 a1 b2 c3")
+    assert path == PromptPath(64, 120, ("a1", "b2", "c3"))
+    assert [path.depth(level) for level in range(3)] == [64, 96, 120]
     for malformed in ("", "64 300", "x 300 a1", "0 300 a1", "64 -1 a1", "64 0 a1"):
         assert PromptPath.parse(malformed) is None
 

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from bench import routing, routing_keys
+from facade.balancing import PrefixAffinity
 
 
 class WordCount:
@@ -135,6 +136,13 @@ def test_each_envoy_gets_its_balancing_and_is_watched_on_its_completion_cluster(
         "prefix-hash": "completion_service_prefix",
         "prefix": "completion_service_prefix",
     }
-    assert routing_keys.key_envoys()["key 1024 bytes / 256 ids"] == [
-        *("--balance", "prefix", "--prefix-chars", "1024", "--prefix-tokens", "256")
+
+
+@pytest.mark.parametrize("sent_as", ["", ", as token ids"])
+def test_the_long_instructions_reach_past_the_default_key(sent_as: str) -> None:
+    (workload,) = [
+        w for w in routing_keys.WORKLOADS if w.name == f"long instructions, then documents{sent_as}"
     ]
+    shared = routing_keys.depths(workload, WordCount())["shared by every prompt"]
+    key = PrefixAffinity().tokens if workload.token_ids else PrefixAffinity().chars
+    assert shared > key
