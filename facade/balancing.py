@@ -68,14 +68,15 @@ PROMPT_FIELDS = (
 
 @dataclass(frozen=True)
 class PrefixAffinity:
-    """The key's length, and the load bound: a replica takes a key's requests while its
-    requests in flight stay within `balance_factor` percent of the pool's average."""
+    """The key's length (for Envoy's hashing: prefix-hash, and prefix while its picker is
+    away), and the load bound: a replica takes a prefix's requests while its requests in
+    flight stay within `balance_factor` percent of the pool's average."""
 
-    # Measured with make bench-routing-keys (BENCHMARKS.md): a key must reach past the part
-    # every prompt shares (150 tokens of instructions: 256 bytes or 64 ids put them all on one
-    # replica) and stop within the part worth keeping together (4096 bytes or 1024 ids gave
-    # each 600-token document's prompts keys of their own, spread as least request spreads
-    # them); 1024 bytes and 256 ids did neither there.
+    # Measured with the picker keyed by one key (BENCHMARKS.md, "Routing keys"): a key must
+    # reach past the part every prompt shares (150 tokens of instructions: 256 bytes or 64 ids
+    # put them all on one replica) and stop within the part worth keeping together (4096 bytes
+    # or 1024 ids gave each 600-token document's prompts keys of their own, spread as least
+    # request spreads them); 1024 bytes and 256 ids did neither there.
     chars: int = 1024  # of a text prompt
     tokens: int = 256  # of a token-id prompt
     # Measured with make bench-routing (BENCHMARKS.md): 125 kept the most cache hits under

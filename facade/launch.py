@@ -314,30 +314,31 @@ def add_balance_options(parser: argparse.ArgumentParser) -> None:
         "--balance",
         choices=BALANCE_POLICIES,
         default=from_env("BALANCE", "prefix"),
-        help="how a pool's replica is picked for a completion: prefix (requests sharing "
-        "their model and leading prompt go to the same replica, whose prefix cache holds it, "
-        "within a load bound; the replica picker deals keys out evenly), prefix-hash (the "
-        "same keys, hashed by Envoy alone) or least-request (env BALANCE; default prefix)",
+        help="how a pool's replica is picked for a completion: prefix (the replica picker "
+        "sends a prompt to the replica that was sent at least half of it before, within a "
+        "load bound, and deals mostly new prompts out evenly), prefix-hash (Envoy hashes one "
+        "key, the model and the prompt's leading part, with the same bound) or least-request "
+        "(env BALANCE; default prefix)",
     )
     parser.add_argument(
         "--prefix-chars",
         type=positive_int,
         default=from_env("PREFIX_CHARS", defaults.chars),
-        help="the leading part of a text prompt that keys it, in bytes (env PREFIX_CHARS; "
-        f"default {defaults.chars})",
+        help="the leading part of a text prompt that keys it for Envoy's hashing (prefix-hash, "
+        f"and prefix without its picker), in bytes (env PREFIX_CHARS; default {defaults.chars})",
     )
     parser.add_argument(
         "--prefix-tokens",
         type=positive_int,
         default=from_env("PREFIX_TOKENS", defaults.tokens),
-        help="the leading part of a token-id prompt that keys it (env PREFIX_TOKENS; default "
+        help="the same for a token-id prompt, in ids (env PREFIX_TOKENS; default "
         f"{defaults.tokens})",
     )
     parser.add_argument(
         "--balance-factor",
         type=balance_factor,
         default=from_env("BALANCE_FACTOR", defaults.balance_factor),
-        help="a replica takes a key's requests while its requests in flight are within this "
+        help="a replica takes a prefix's requests while its requests in flight are within this "
         "percentage of the pool's average, else the next replica does (env BALANCE_FACTOR; "
         f"default {defaults.balance_factor})",
     )
