@@ -60,6 +60,11 @@ class PromptPath:
     def depth(self, level: int) -> int:
         return min(level_depth(self.base, level), self.length)
 
+    def covered(self) -> int:
+        """The units its keys cover: the whole prompt, unless it is longer than the deepest
+        level routing.lua computes."""
+        return self.depth(len(self.keys) - 1)
+
     @classmethod
     def parse(cls, value: str) -> PromptPath | None:
         """From its header, "BASE LENGTH KEY...", or None if that is malformed."""
@@ -104,7 +109,7 @@ class CacheAwarePolicy:
             return []
         bound = load_bound(loads, self.balance_factor)
         level, holders = self.deepest_known(cluster, path, loads)
-        if holders and path.depth(level) >= FOLLOW_SHARE * path.length:
+        if holders and path.depth(level) >= FOLLOW_SHARE * path.covered():
             chosen = self.follow(holders, loads, bound)
             branch_level = None
         else:

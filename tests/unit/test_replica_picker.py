@@ -109,6 +109,15 @@ def test_a_prompt_less_than_half_cached_anywhere_is_a_new_branch() -> None:
     assert {first, second} == {A, B}
 
 
+def test_a_prompt_longer_than_the_deepest_level_follows_what_its_keys_cover() -> None:
+    policy = CacheAwarePolicy(balance_factor=125)
+    keys = tuple(f"book/{level}" for level in range(25))  # routing.lua's 25 levels
+    first = policy.choose("pool", PromptPath(64, 900_000, keys), IDLE)[0]
+    again = policy.choose("pool", PromptPath(64, 1_000_000, (*keys[:-1], "other")), IDLE)[0]
+    assert again == first
+    assert policy.decisions == {"new branch": 1, "home": 1}
+
+
 def test_the_path_deepens_by_at_most_half_at_each_level() -> None:
     assert [level_depth(64, level) for level in range(7)] == [64, 96, 128, 192, 256, 384, 512]
     assert level_depth(16, 24) == 16 * 4096  # the deepest of routing.lua's 25 levels
