@@ -60,23 +60,44 @@ end
 
 -- "BASE LENGTH KEY...": the running digest of `seed` and then each unit, taken after the
 -- level_depth(BASE, 0)-th, level_depth(BASE, 1)-th, ... unit and after the last one.
--- add(hash, i) mixes the i-th unit in (a byte of text, or a token id and a comma).
-local function path(seed, count, add, base)
+-- mix_units(hash, from, to) mixes units from..to in (bytes of text, or token ids).
+local function path(seed, count, mix_units, base)
   local last = math.min(count, level_depth(base, PATH_LEVELS - 1))
   local hash = mix(FNV_OFFSET, seed)
   local keys = {}
-  local depth = base
-  for i = 1, last do
-    hash = add(hash, i)
-    if i == depth or i == last then
-      keys[#keys + 1] = bit.tohex(hash)
-      depth = level_depth(base, #keys)
-    end
+  local done = 0
+  while done < last do
+    local depth = math.min(level_depth(base, #keys), last)
+    hash = mix_units(hash, done + 1, depth)
+    keys[#keys + 1] = bit.tohex(hash)
+    done = depth
   end
   if #keys == 0 then
     return nil
   end
   return base .. " " .. count .. " " .. table.concat(keys, " ")
+end
+
+local function mix_bytes(text)
+  return function(hash, from, to)
+    for i = from, to do
+      hash = mix_byte(hash, string.byte(text, i))
+    end
+    return hash
+  end
+end
+
+-- A token id's four bytes, low to high (ids are below 2^31).
+local function mix_ids(tokens)
+  return function(hash, from, to)
+    for i = from, to do
+      local id = tokens[i]
+      for shift = 0, 24, 8 do
+        hash = mix_byte(hash, bit.band(bit.rshift(id, shift), 255))
+      end
+    end
+    return hash
+  end
 end
 
 local function first(list)
@@ -113,13 +134,9 @@ end
 
 local function prompt_path(model, text, tokens)
   if text ~= nil then
-    return path(model .. "\ntext:", #text, function(hash, i)
-      return mix_byte(hash, string.byte(text, i))
-    end, PATH_TEXT_BASE)
+    return path(model .. "\ntext:", #text, mix_bytes(text), PATH_TEXT_BASE)
   end
-  return path(model .. "\nids:", #tokens, function(hash, i)
-    return mix(hash, tokens[i] .. ",")
-  end, PATH_IDS_BASE)
+  return path(model .. "\nids:", #tokens, mix_ids(tokens), PATH_IDS_BASE)
 end
 
 function envoy_on_request(handle)
