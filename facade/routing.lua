@@ -104,21 +104,23 @@ local function first(list)
   return list and list[1]
 end
 
--- The first prompt: its text, or else its token ids.
+-- The first prompt: its text, or else its token ids, and whether those are a batch's, all its
+-- prompts' ids in one list (the field extraction does not keep where each one ends).
 local function first_prompt(fields)
   local text = first(fields["prompt.string_value"])
     or first(fields["prompt.list_value.values.string_value"])
   if text ~= nil then
-    return text, nil
+    return text, nil, false
   end
   local tokens = fields["prompt.list_value.values.number_value"]
-  if tokens == nil or tokens[1] == nil then
-    tokens = fields["prompt.list_value.values.list_value.values.number_value"]
+  if tokens ~= nil and tokens[1] ~= nil then
+    return nil, tokens, false
   end
-  if tokens == nil or tokens[1] == nil then
-    return nil, nil
+  tokens = fields["prompt.list_value.values.list_value.values.number_value"]
+  if tokens ~= nil and tokens[1] ~= nil then
+    return nil, tokens, true
   end
-  return nil, tokens
+  return nil, nil, false
 end
 
 local function leading_part(text, tokens)
@@ -132,11 +134,14 @@ local function leading_part(text, tokens)
   return "ids:" .. table.concat(ids, ",")
 end
 
-local function prompt_path(model, text, tokens)
+-- A batch's ids go on past its first prompt, so its path stops where the key does, as if the
+-- first prompt were PREFIX_TOKENS ids long.
+local function prompt_path(model, text, tokens, batch)
   if text ~= nil then
     return path(model .. "\ntext:", #text, mix_bytes(text), PATH_TEXT_BASE)
   end
-  return path(model .. "\nids:", #tokens, mix_ids(tokens), PATH_IDS_BASE)
+  local count = batch and math.min(#tokens, PREFIX_TOKENS) or #tokens
+  return path(model .. "\nids:", count, mix_ids(tokens), PATH_IDS_BASE)
 end
 
 function envoy_on_request(handle)
@@ -151,9 +156,9 @@ function envoy_on_request(handle)
   else
     headers:remove("x-model")
   end
-  local text, tokens = nil, nil
+  local text, tokens, batch = nil, nil, false
   if model ~= nil and PREFIX_CHARS > 0 then
-    text, tokens = first_prompt(fields)
+    text, tokens, batch = first_prompt(fields)
   end
   local keyed = text ~= nil or tokens ~= nil
   if keyed then
@@ -161,7 +166,7 @@ function envoy_on_request(handle)
   else
     headers:remove("x-prefix-key")
   end
-  local prompt_keys = keyed and PREFIX_PATH and prompt_path(model, text, tokens)
+  local prompt_keys = keyed and PREFIX_PATH and prompt_path(model, text, tokens, batch)
   if prompt_keys then
     headers:replace("x-prefix-path", prompt_keys)
   else

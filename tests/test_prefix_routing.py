@@ -321,6 +321,17 @@ def test_the_path_keys_a_prompt_at_the_depths_the_picker_reads(
     assert alike == shared_levels, (one, other)
 
 
+def test_a_batch_of_token_id_prompts_is_keyed_by_its_first_prompts_lead(fleet: Fleet) -> None:
+    # Envoy sees a batch's ids as one list; its path stops at the key's length, so that the
+    # prompts after the first do not count as part of it.
+    first = list(range(1, 301))
+    batch = path_of(fleet, [first, list(range(500, 800))])
+    alone = path_of(fleet, first)
+    key_ids = PrefixAffinity().tokens
+    assert batch.length == key_ids and alone.length == len(first)
+    assert batch.keys == alone.keys[: len(batch.keys)]
+
+
 def test_adapters_of_a_pool_are_keyed_apart(fleet: Fleet) -> None:
     prompt = shared_prefix("adapters")
     base = {key_of(fleet, prompt=prompt, max_tokens=1) for _ in range(2)}
