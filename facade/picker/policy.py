@@ -35,10 +35,11 @@ from dataclasses import dataclass, field
 # first. A replica's cache holds far fewer prefixes than this.
 DEFAULT_MAX_KEYS = 200_000
 # A prompt follows the deepest known key if that covers at least this share of it. The routers
-# above follow from 0.3 of an exact match, which would send all prompts whose instructions
-# are a third of them to one replica (until their load thresholds step in). The deepest known key covers at least two thirds of the part shared
-# (its levels grow by at most 1.5 times): a prompt that shares three quarters with an earlier
-# one always follows it, one that shares less than half never does.
+# above follow from 0.3 of an exact match, which would send all prompts whose instructions are
+# a third of them to one replica (until their load thresholds step in). The deepest known key
+# covers at least two thirds of the part shared (its levels grow by at most 1.5 times): a
+# prompt that shares three quarters with an earlier one always follows it, one that shares
+# less than half never does.
 FOLLOW_SHARE = 0.5
 
 
