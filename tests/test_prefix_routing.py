@@ -122,7 +122,7 @@ def facade(replicas: list[TestStack]) -> Iterator[Fleet]:
         envoy.wait(timeout=30)
 
 
-def wait_gone(process: psutil.Process, timeout: float = 10) -> None:
+def wait_gone(process: psutil.Process, timeout: float = 30) -> None:
     """Until the process has exited (a zombie waiting for its parent to reap it counts)."""
     deadline = time.monotonic() + timeout
     with contextlib.suppress(psutil.NoSuchProcess):
