@@ -22,7 +22,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from facade.launch import DEFAULT_ADMIN_PORT, DEFAULT_HTTP_PORT
+from facade.render import DEFAULT_ADMIN_PORT, DEFAULT_HTTP_PORT
 from facade.tls import UpstreamTls, grpc_channel, upstream_tls_from_env
 from service.settings import ServerSettings
 

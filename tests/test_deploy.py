@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 import yaml
 
-from facade.launch import ENVOY_TEMPLATE, parse_address
+from facade.options import parse_address
+from facade.render import ENVOY_TEMPLATE
 from service.cli import build_parser
 from service.settings import ServerSettings
 
@@ -143,7 +144,7 @@ def test_envoy_points_at_the_headless_service_and_listens_where_envoy_yaml_says(
 
 @pytest.mark.parametrize("upstream", ["llm-completions-headless.default.svc.cluster.local:50051"])
 def test_a_hostname_upstream_is_resolved_with_dns(upstream: str) -> None:
-    from facade.launch import render_config
+    from facade.render import render_config
 
     config = render_config(8080, 9901, [parse_address(upstream)], listen_host="0.0.0.0")
     cluster = config["static_resources"]["clusters"][0]

@@ -39,7 +39,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from llmcompletions.v2 import completions_pb2_grpc
 
-from facade.launch import ENVOY_TEMPLATE
+from facade.render import ENVOY_TEMPLATE
 from service.settings import ServerSettings
 from tests.conftest import ENGINE_START_TIMEOUT, SMALL_ENGINE
 from tests.helpers import body, grpc_request

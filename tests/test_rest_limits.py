@@ -15,7 +15,7 @@ import pytest
 from llmcompletions.client import CompletionClient
 from llmcompletions.v2 import completions_pb2_grpc
 
-from facade.launch import DEFAULT_MAX_REQUEST_BYTES
+from facade.render import DEFAULT_MAX_REQUEST_BYTES
 from service.api.errors import MAX_QUOTED_NAME_CHARS
 from tests.conftest import API_KEY, AUTH_HEADERS, GRPC_AUTH, MODEL
 from tests.helpers import body, grpc_request, post

@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from llmcompletions.client import CompletionClient, Tls
 from llmcompletions.v2 import completions_pb2_grpc
 
-from facade import launch
+from facade import render
 from facade.balancing import PrefixAffinity
 from facade.pools import Pool
 from facade.tls import UpstreamTls
@@ -277,15 +277,15 @@ def test_rotated_certificates_are_used_without_a_restart(tls_stack: TestStack, p
 
 
 def test_envoy_accepts_tls_with_several_pools(pki: Pki, tmp_path: Path) -> None:
-    config = launch.render_config(free_port(), free_port(), [("127.0.0.1", 1)])
+    config = render.render_config(free_port(), free_port(), [("127.0.0.1", 1)])
     pools = [Pool(name, (("127.0.0.1", port),), (name,)) for name, port in (("a", 1), ("b", 2))]
-    launch.configure_routing(config, pools, "", PrefixAffinity())
+    render.configure_routing(config, pools, "", PrefixAffinity())
     listener = TlsSettings(pki.server.cert_file, pki.server.key_file, pki.clients.cert_file)
     upstream = UpstreamTls(
         pki.trusted_servers, pki.envoy_client.cert_file, pki.envoy_client.key_file
     )
-    launch.apply_tls(config, listener, upstream, tmp_path)
-    command = launch.envoy_command(launch.write_config(config, tmp_path))
+    render.apply_tls(config, listener, upstream, tmp_path)
+    command = render.envoy_command(render.write_config(config, tmp_path))
     checked = subprocess.run(
         [*command, "--mode", "validate"], capture_output=True, text=True, timeout=60
     )

@@ -4,12 +4,13 @@ with bounded load; everything else stays on least request."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from facade import balancing, envoy_config, launch
+from facade import balancing, envoy_config, options, render
 from facade.balancing import PREFIX_HEADER, PrefixAffinity
 from facade.picker import CLUSTER_METADATA, REPLICA_HEADER
 from facade.pools import Pool
@@ -20,8 +21,8 @@ SOCKET = Path("/tmp/picker.sock")
 
 
 def configured(pools: list[Pool], affinity: PrefixAffinity | None) -> dict[str, Any]:
-    config = launch.render_config(8080, 9901, [("127.0.0.1", 50051)])
-    launch.configure_routing(config, pools, "", affinity, SOCKET)
+    config = render.render_config(8080, 9901, [("127.0.0.1", 50051)])
+    render.configure_routing(config, pools, "", affinity, SOCKET)
     return config
 
 
@@ -171,14 +172,14 @@ def test_balance_options(
 ) -> None:
     for name in ("BALANCE", "PREFIX_CHARS", "PREFIX_TOKENS", "BALANCE_FACTOR"):
         monkeypatch.delenv(name, raising=False)
-    parser = launch.argparse.ArgumentParser()
-    launch.add_balance_options(parser)
-    assert launch.affinity_from(parser.parse_args(argv)) == expected
+    parser = argparse.ArgumentParser()
+    options.add_balance_options(parser)
+    assert options.affinity_from(parser.parse_args(argv)) == expected
 
 
 def test_a_balance_factor_below_100_is_refused() -> None:
-    parser = launch.argparse.ArgumentParser()
-    launch.add_balance_options(parser)
+    parser = argparse.ArgumentParser()
+    options.add_balance_options(parser)
     with pytest.raises(SystemExit):
         parser.parse_args(["--balance-factor", "99"])
 
@@ -195,4 +196,4 @@ def test_a_balance_factor_below_100_is_refused() -> None:
 def test_keys_are_computed_only_where_a_pool_has_several_replicas(
     groups: list[list[tuple[str, int]]], several: bool
 ) -> None:
-    assert launch.several_replicas(groups) is several
+    assert render.several_replicas(groups) is several

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from llmcompletions.v2.completions_pb2 import ListModelsResponse, Model
 
-from facade import balancing, envoy_config, launch
+from facade import balancing, envoy_config, options, render
 from facade.pools import Pool, PoolError, checked, listing_header, parse_pool
 from service.transport import endpoint_models
 
@@ -27,8 +27,8 @@ def listing(*names: str) -> ListModelsResponse:
 
 
 def rendered() -> dict[str, Any]:
-    config = launch.render_config(8080, 9901, [("127.0.0.1", 50051)])
-    launch.configure_routing(
+    config = render.render_config(8080, 9901, [("127.0.0.1", 50051)])
+    render.configure_routing(
         config, pools(), listing_header(listing("alpha", "beta", "beta-sql")), affinity=None
     )
     return config
@@ -45,15 +45,15 @@ def test_the_methods_routed_by_model_are_those_whose_request_names_one() -> None
 
 def test_each_pool_is_a_cluster_like_the_single_one() -> None:
     config = rendered()
-    template = launch.TEMPLATE["static_resources"]["clusters"][0]
+    template = render.TEMPLATE["static_resources"]["clusters"][0]
     clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
-    assert list(clusters) == ["pool_alpha", "pool_beta", launch.ANY_POOL_CLUSTER]
+    assert list(clusters) == ["pool_alpha", "pool_beta", render.ANY_POOL_CLUSTER]
     for name in ("pool_alpha", "pool_beta"):
         for kept in ("health_checks", "outlier_detection", "load_balancing_policy"):
             assert clusters[name][kept] == template[kept]
     assert clusters["pool_beta"]["type"] == "STRICT_DNS"  # a hostname
     assert clusters["pool_alpha"]["type"] == "STATIC"
-    aggregate = clusters[launch.ANY_POOL_CLUSTER]["cluster_type"]["typed_config"]
+    aggregate = clusters[render.ANY_POOL_CLUSTER]["cluster_type"]["typed_config"]
     assert aggregate["clusters"] == ["pool_alpha", "pool_beta"]
 
 
@@ -63,17 +63,17 @@ def test_each_model_routes_to_its_pool_and_the_rest_to_any_pool_with_the_listing
         header["string_match"]["exact"]: route["route"]["cluster"]
         for route in grpc_routes
         for header in route["match"]["headers"]
-        if header["name"] == launch.MODEL_HEADER
+        if header["name"] == render.MODEL_HEADER
     }
     assert by_model == {"alpha": "pool_alpha", "beta": "pool_beta", "beta-sql": "pool_beta"}
     fallback = grpc_routes[-1]
-    assert fallback["route"]["cluster"] == launch.ANY_POOL_CLUSTER
+    assert fallback["route"]["cluster"] == render.ANY_POOL_CLUSTER
     added = {h["header"]["key"]: h["header"]["value"] for h in fallback["request_headers_to_add"]}
     passed = ListModelsResponse.FromString(
         base64.b64decode(added[endpoint_models.ENDPOINT_MODELS_HEADER])
     )
     assert [model.id for model in passed.data] == ["alpha", "beta", "beta-sql"]
-    template_route = envoy_config.grpc_route(launch.TEMPLATE)
+    template_route = envoy_config.grpc_route(render.TEMPLATE)
     for route in grpc_routes:  # retries, timeouts and the reply limit as with one pool
         assert route["route"]["retry_policy"] == template_route["route"]["retry_policy"]
         assert route["typed_per_filter_config"] == template_route["typed_per_filter_config"]
@@ -93,7 +93,7 @@ def test_the_model_is_read_after_the_transcoder_and_before_the_router() -> None:
 @pytest.mark.parametrize("text", ["alpha", "=h:1", "alpha=", "alpha=host", "alpha=h:1,h"])
 def test_a_malformed_pool_is_a_usage_error(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError):
-        parse_pool(text, launch.parse_address)
+        parse_pool(text, options.parse_address)
 
 
 def test_a_pool_is_named_after_its_base_model() -> None:

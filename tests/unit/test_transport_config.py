@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from facade import envoy_config, launch
+from facade import envoy_config, render
 from facade.balancing import PrefixAffinity
 from facade.pools import Pool
 from facade.tls import UpstreamTls, listener_tls, upstream_tls
@@ -75,12 +75,12 @@ def pki(tmp_path: Path) -> tuple[CertificateAuthority, KeyPair]:
 
 def with_tls(tmp_path: Path, pools: bool) -> tuple[dict[str, Any], TlsSettings, UpstreamTls]:
     authority, pair = pki(tmp_path)
-    config = launch.render_config(8080, 9901, [("127.0.0.1", 50051)])
+    config = render.render_config(8080, 9901, [("127.0.0.1", 50051)])
     two = [Pool(name, (("127.0.0.1", port),), (name,)) for name, port in (("a", 1), ("b", 2))]
-    launch.configure_routing(config, two if pools else [], "", PrefixAffinity())
+    render.configure_routing(config, two if pools else [], "", PrefixAffinity())
     listener = TlsSettings(pair.cert_file, pair.key_file, authority.cert_file)
     upstream = UpstreamTls(authority.cert_file, pair.cert_file, pair.key_file)
-    launch.apply_tls(config, listener, upstream, tmp_path)
+    render.apply_tls(config, listener, upstream, tmp_path)
     return config, listener, upstream
 
 
@@ -115,7 +115,7 @@ def test_envoy_reads_each_certificate_from_a_watched_secret_file(tmp_path: Path)
 
 
 def test_envoy_keeps_both_sides_alive_with_http2_pings() -> None:
-    config = launch.render_config(8080, 9901, [("127.0.0.1", 50051)])
+    config = render.render_config(8080, 9901, [("127.0.0.1", 50051)])
     manager = envoy_config.connection_manager(config)
     assert manager["http2_protocol_options"]["connection_keepalive"]["timeout"]
     (cluster,) = config["static_resources"]["clusters"]

@@ -1,0 +1,213 @@
+"""The facade's command line: every option of `python -m facade.launch`, each with the
+environment variable that sets it."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from facade.balancing import BALANCE_POLICIES, PrefixAffinity
+from facade.pools import parse_pool
+from facade.render import (
+    DEFAULT_ADMIN_PORT,
+    DEFAULT_HTTP_PORT,
+    DEFAULT_MAX_REPLY_BYTES,
+    DEFAULT_MAX_REQUEST_BYTES,
+)
+from service.options import add_option, at_least, one_of
+
+DEFAULT_DISCOVERY_TIMEOUT = 1800.0  # pools may still be loading large models
+positive_int = at_least(1)
+# Envoy's lowest load bound: no replica above the average.
+balance_factor = at_least(100)
+
+
+def from_env(name: str, fallback: object = None) -> str | None:
+    """The variable's text, else the fallback's: argparse converts (and rejects) a text default
+    as it does a flag's value, so a bad value gets a usage error rather than a traceback."""
+    value = os.environ.get(name) or fallback
+    return None if value is None else str(value)
+
+
+def env_switch(name: str) -> bool:
+    return os.environ.get(name, "") in ("1", "true", "yes", "on")
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return host, int(port)
+
+
+def add_listener_options(parser: argparse.ArgumentParser) -> None:
+    add_option(parser, "--http-port", "HTTP_PORT", DEFAULT_HTTP_PORT, "the REST and gRPC port", int)
+    add_option(
+        parser, "--admin-port", "ENVOY_ADMIN_PORT", DEFAULT_ADMIN_PORT, "Envoy's admin port", int
+    )
+    add_option(
+        parser,
+        "--listen-host",
+        "LISTEN_HOST",
+        "127.0.0.1",
+        "address the REST listener binds (0.0.0.0 in a container); admin stays on loopback",
+    )
+    add_option(
+        parser,
+        "--concurrency",
+        "ENVOY_CONCURRENCY",
+        None,
+        "Envoy worker threads (unset: one per hardware thread)",
+        positive_int,
+    )
+    parser.add_argument(
+        "--debug-headers",
+        action="store_true",
+        default=env_switch("ENVOY_DEBUG_HEADERS"),
+        help="add x-upstream-host and x-upstream-service-time to REST and gRPC replies "
+        "(env ENVOY_DEBUG_HEADERS=1; off by default: they reveal internal addresses)",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="warning",
+        help="Envoy's: trace, debug, info, warning, error, critical",
+    )
+
+
+def add_replica_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--upstream",
+        type=parse_address,
+        action="append",
+        help="gRPC service HOST:PORT; repeat for several replicas (default 127.0.0.1:$GRPC_PORT)",
+    )
+    parser.add_argument(
+        "--pool",
+        type=lambda text: parse_pool(text, parse_address),
+        action="append",
+        help="NAME=HOST:PORT[,HOST:PORT...]: replicas serving the base model NAME (its served "
+        "name) and its adapters; repeat for each base model, and each call goes to the pool "
+        "serving its `model` (env POOLS, space-separated)",
+    )
+    add_option(
+        parser,
+        "--discovery-timeout",
+        "DISCOVERY_TIMEOUT",
+        DEFAULT_DISCOVERY_TIMEOUT,
+        "with --pool: how long to wait for each pool to answer ListModels (seconds)",
+        float,
+    )
+
+
+def add_limit_options(parser: argparse.ArgumentParser) -> None:
+    add_option(
+        parser,
+        "--max-request-bytes",
+        "MAX_REQUEST_BYTES",
+        DEFAULT_MAX_REQUEST_BYTES,
+        "larger REST request bodies get 413",
+        positive_int,
+    )
+    add_option(
+        parser,
+        "--max-reply-bytes",
+        "MAX_REPLY_BYTES",
+        DEFAULT_MAX_REPLY_BYTES,
+        "largest whole (non-streamed) JSON reply; a larger one is refused with a 400 that says "
+        "to stream it",
+        positive_int,
+    )
+
+
+def path_option(parser: argparse.ArgumentParser, flag: str, env: str, help_text: str) -> None:
+    parser.add_argument(flag, type=Path, default=from_env(env), help=f"{help_text} (env {env})")
+
+
+def add_tls_options(parser: argparse.ArgumentParser) -> None:
+    path_option(
+        parser,
+        "--tls-cert-file",
+        "TLS_CERT_FILE",
+        "serve REST and native gRPC over TLS with this PEM certificate (chain); files renamed "
+        "into its directory are loaded without a restart; unset: plaintext",
+    )
+    path_option(parser, "--tls-key-file", "TLS_KEY_FILE", "its PEM private key")
+    path_option(
+        parser,
+        "--tls-client-ca-file",
+        "TLS_CLIENT_CA_FILE",
+        "require callers' certificates signed by these PEM CA certificates (mutual TLS)",
+    )
+    path_option(
+        parser,
+        "--upstream-ca-file",
+        "UPSTREAM_CA_FILE",
+        "reach the replicas over TLS, trusting the CA certificates in this PEM file; unset: "
+        "plaintext",
+    )
+    path_option(
+        parser,
+        "--upstream-cert-file",
+        "UPSTREAM_CERT_FILE",
+        "the PEM client certificate Envoy presents to replicas that require one",
+    )
+    path_option(parser, "--upstream-key-file", "UPSTREAM_KEY_FILE", "its PEM private key")
+
+
+def add_balance_options(parser: argparse.ArgumentParser) -> None:
+    defaults = PrefixAffinity()
+    add_option(
+        parser,
+        "--balance",
+        "BALANCE",
+        "prefix",
+        "how a pool's replica is picked for a completion: prefix (the replica picker sends a "
+        "prompt to the replica that was sent at least half of it before, within a load bound, "
+        "and deals mostly new prompts out evenly), prefix-hash (Envoy hashes one key, the model "
+        "and the prompt's leading part, with the same bound) or least-request",
+        one_of(*BALANCE_POLICIES),
+    )
+    add_option(
+        parser,
+        "--prefix-chars",
+        "PREFIX_CHARS",
+        defaults.chars,
+        "the leading part of a text prompt that keys it for Envoy's hashing (prefix-hash, and "
+        "prefix without its picker), in bytes",
+        positive_int,
+    )
+    add_option(
+        parser,
+        "--prefix-tokens",
+        "PREFIX_TOKENS",
+        defaults.tokens,
+        "the same for a token-id prompt, in ids",
+        positive_int,
+    )
+    add_option(
+        parser,
+        "--balance-factor",
+        "BALANCE_FACTOR",
+        defaults.balance_factor,
+        "a replica takes a prefix's requests while its requests in flight are within this "
+        "percentage of the pool's average, else the next replica does",
+        balance_factor,
+    )
+
+
+def affinity_from(args: argparse.Namespace) -> PrefixAffinity | None:
+    if args.balance == "least-request":
+        return None
+    picker = args.balance == "prefix"
+    return PrefixAffinity(args.prefix_chars, args.prefix_tokens, args.balance_factor, picker)
+
+
+def build_parser(description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description)
+    add_listener_options(parser)
+    add_replica_options(parser)
+    add_limit_options(parser)
+    add_tls_options(parser)
+    add_balance_options(parser)
+    return parser

@@ -1,0 +1,234 @@
+"""Renders Envoy's config for a fleet: envoy.yaml with its ports, limits and file paths
+filled in, the replicas of each pool, routing by model and within a pool, TLS."""
+
+from __future__ import annotations
+
+import copy
+import ipaddress
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from facade.balancing import (
+    PrefixAffinity,
+    add_prefix_affinity,
+    add_replica_picker,
+    install_routing_filters,
+)
+from facade.envoy_config import (
+    DESCRIPTOR_FILE,
+    FACADE_DIR,
+    filter_config,
+    grpc_route,
+    replica_clusters,
+    routes,
+)
+from facade.pools import Pool
+from facade.tls import UpstreamTls, listener_transport_socket, upstream_transport_socket
+from service.settings import TlsSettings
+from service.transport.endpoint_models import ENDPOINT_MODELS_HEADER
+
+ENVOY_TEMPLATE = FACADE_DIR.parent / "envoy.yaml"
+LUA_FILE = FACADE_DIR / "completions.lua"
+OPENAPI_FILE = FACADE_DIR / "openapi.json"
+TEMPLATE = yaml.safe_load(ENVOY_TEMPLATE.read_text())
+# The ports of envoy.yaml, the one place they are written.
+DEFAULT_HTTP_PORT: int = TEMPLATE["static_resources"]["listeners"][0]["address"]["socket_address"][
+    "port_value"
+]
+DEFAULT_ADMIN_PORT: int = TEMPLATE["admin"]["address"]["socket_address"]["port_value"]
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+# A whole JSON reply: room for the JSON of the largest gRPC message (16 MiB by default).
+DEFAULT_MAX_REPLY_BYTES = 64 * 1024 * 1024
+MAX_REPLY_HEADER = "x-max-reply-bytes"
+ANY_POOL_CLUSTER = "any_pool"
+MODEL_HEADER = "x-model"
+# Operators' debugging aid, off by default: which replica served a call, and how long it took.
+DEBUG_HEADERS = [
+    {"header": {"key": "x-upstream-host", "value": "%UPSTREAM_REMOTE_ADDRESS%"}},
+    {"header": {"key": "x-upstream-service-time", "value": "%RESPONSE_DURATION%"}},
+    # The call's routing key and its prompt's path (facade/balancing.py), when it has them,
+    # and the replicas the replica picker named for it, in order.
+    {"header": {"key": "x-prefix-key", "value": "%REQ(x-prefix-key)%"}},
+    {"header": {"key": "x-prefix-path", "value": "%REQ(x-prefix-path)%"}},
+    {"header": {"key": "x-replica-picked", "value": "%REQ(x-replica)%"}},
+]
+
+
+def is_ip_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def render_config(
+    http_port: int,
+    admin_port: int,
+    upstreams: list[tuple[str, int]],
+    listen_host: str = "127.0.0.1",
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
+    debug_headers: bool = False,
+) -> dict[str, Any]:
+    """envoy.yaml with ports, upstream endpoints, limits and absolute file paths filled in."""
+    config = copy.deepcopy(TEMPLATE)
+    config["admin"]["address"]["socket_address"]["port_value"] = admin_port
+    listener = config["static_resources"]["listeners"][0]
+    listener["address"]["socket_address"].update(address=listen_host, port_value=http_port)
+    listener["per_connection_buffer_limit_bytes"] = max_request_bytes
+    filter_config(config, "envoy.filters.http.lua")["default_source_code"]["filename"] = str(
+        LUA_FILE
+    )
+    transcoder = filter_config(config, "envoy.filters.http.grpc_json_transcoder")
+    transcoder["proto_descriptor"] = str(DESCRIPTOR_FILE)
+    transcoder["max_response_body_size"] = max_reply_bytes
+    route = grpc_route(config)
+    for added in route["request_headers_to_add"]:
+        if added["header"]["key"] == MAX_REPLY_HEADER:
+            added["header"]["value"] = str(max_reply_bytes)
+    if debug_headers:
+        route["response_headers_to_add"] = DEBUG_HEADERS
+    filter_config(config, "envoy.filters.http.buffer")["max_request_bytes"] = max_request_bytes
+    for route in routes(config):
+        body = route.get("direct_response", {}).get("body", {})
+        if "filename" in body:
+            body["filename"] = str(OPENAPI_FILE)
+    set_endpoints(config["static_resources"]["clusters"][0], upstreams)
+    return config
+
+
+def set_endpoints(cluster: dict[str, Any], addresses: Sequence[tuple[str, int]]) -> None:
+    if any(not is_ip_address(host) for host, _ in addresses):
+        cluster["type"] = "STRICT_DNS"  # e.g. a headless Service: every address it resolves to
+    cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
+        {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}
+        for host, port in addresses
+    ]
+
+
+def pool_cluster(
+    template: dict[str, Any], name: str, addresses: Sequence[tuple[str, int]]
+) -> dict[str, Any]:
+    """A pool's cluster: the template's balancing, health checks and outlier detection."""
+    cluster = copy.deepcopy(template)
+    cluster["name"] = cluster["load_assignment"]["cluster_name"] = name
+    set_endpoints(cluster, addresses)
+    return cluster
+
+
+def any_pool_cluster(pools: Sequence[Pool]) -> dict[str, Any]:
+    """The pools in order, each taking over when those before it have no healthy replica."""
+    return {
+        "name": ANY_POOL_CLUSTER,
+        "connect_timeout": "5s",
+        "lb_policy": "CLUSTER_PROVIDED",
+        "cluster_type": {
+            "name": "envoy.clusters.aggregate",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.clusters.aggregate.v3.ClusterConfig",
+                "clusters": [pool.cluster for pool in pools],
+            },
+        },
+    }
+
+
+def model_route(template: dict[str, Any], model: str, cluster: str) -> dict[str, Any]:
+    route = copy.deepcopy(template)
+    route["match"]["headers"] = [
+        *route["match"]["headers"],
+        {"name": MODEL_HEADER, "string_match": {"exact": model}},
+    ]
+    route["route"]["cluster"] = cluster
+    return route
+
+
+def any_pool_route(template: dict[str, Any], listing: str) -> dict[str, Any]:
+    """Calls no pool owns: ListModels and names no pool serves. The replica that answers
+    lists (or names in its 404) every pool's models, from the listing passed with the call."""
+    route = copy.deepcopy(template)
+    route["route"]["cluster"] = ANY_POOL_CLUSTER
+    route["request_headers_to_add"] = [
+        *route["request_headers_to_add"],
+        {
+            "header": {"key": ENDPOINT_MODELS_HEADER, "value": listing},
+            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+        },
+    ]
+    return route
+
+
+def route_by_model(config: dict[str, Any], pools: Sequence[Pool], listing: str) -> None:
+    """One cluster per pool, and each call routed to the pool that serves its `model`: Envoy
+    reads the field from the request message (REST bodies are transcoded by then)."""
+    clusters = config["static_resources"]["clusters"]
+    template = clusters[0]
+    clusters[:] = [
+        *(pool_cluster(template, pool.cluster, pool.addresses) for pool in pools),
+        any_pool_cluster(pools),
+    ]
+    grpc = grpc_route(config)
+    by_model = [model_route(grpc, model, pool.cluster) for pool in pools for model in pool.models]
+    all_routes = routes(config)
+    index = all_routes.index(grpc)
+    all_routes[index : index + 1] = [*by_model, any_pool_route(grpc, listing)]
+
+
+def configure_routing(
+    config: dict[str, Any],
+    pools: Sequence[Pool],
+    listing: str,
+    affinity: PrefixAffinity | None,
+    picker_socket: Path | None = None,
+) -> None:
+    """Routes by model over several pools (if given), and prefix affinity within each pool
+    (unless least request was asked for), with the replica picker on `picker_socket`."""
+    if pools:
+        route_by_model(config, pools, listing)
+    if affinity is not None:
+        add_prefix_affinity(config, affinity)
+    install_routing_filters(config, by_model=bool(pools), affinity=affinity)
+    if affinity is not None and affinity.picker and picker_socket is not None:
+        add_replica_picker(config, str(picker_socket))
+
+
+def several_replicas(groups: Sequence[Sequence[tuple[str, int]]]) -> bool:
+    """Whether any pool has more than one replica (a host name may resolve to several)."""
+    return any(len(group) > 1 or not is_ip_address(group[0][0]) for group in groups)
+
+
+def apply_tls(
+    config: dict[str, Any],
+    listener: TlsSettings | None,
+    upstream: UpstreamTls | None,
+    directory: Path,
+) -> None:
+    """TLS on the listener and on every cluster of replicas (health checks use it too)."""
+    if listener is not None:
+        chain = config["static_resources"]["listeners"][0]["filter_chains"][0]
+        chain["transport_socket"] = listener_transport_socket(listener, directory)
+    if upstream is not None:
+        for cluster in replica_clusters(config):
+            cluster["transport_socket"] = upstream_transport_socket(upstream, directory)
+
+
+def write_config(config: dict[str, Any], directory: Path) -> Path:
+    path = directory / "envoy.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def envoy_command(
+    config_path: Path, log_level: str = "warning", concurrency: int | None = None
+) -> list[str]:
+    envoy = shutil.which("envoy") or str(Path(sys.executable).parent / "envoy")
+    # No hot restart: several Envoys (serve and tests) can then share one host.
+    command = [envoy, "-c", str(config_path), "--log-level", log_level, "--disable-hot-restart"]
+    if concurrency is not None:
+        command += ["--concurrency", str(concurrency)]
+    return command
