@@ -7,7 +7,7 @@ conversation so far); a replica loaded beyond a bound passes the key's requests 
 The key is computed in Envoy after the transcoder, so REST and native gRPC calls are keyed
 alike: Envoy's gRPC field extraction reads `model` and the prompt from the request message, and
 a Lua filter turns them into the key header, and the prompt's path (digests of its leading
-part at doubling depths) into another. Envoy then asks the replica picker (facade/picker), an
+part at growing depths) into another. Envoy then asks the replica picker (facade/picker), an
 external processor, which replica takes the request: the path tells it how much of the prompt
 earlier prompts shared and where they went, so that a document's prompts stay together while
 instructions that every prompt starts with do not pull all of them onto one replica; new
@@ -258,31 +258,31 @@ def picker_route_config(route: dict[str, Any]) -> dict[str, Any]:
     return per_route
 
 
-def add_replica_picker(config: dict[str, Any], socket_path: str) -> None:
-    """Envoy asks the picker listening on `socket_path` about each keyed call, after the key is
-    set and before the router; if it does not answer in time, the call goes on without."""
-    config["static_resources"]["clusters"].append(
-        {
-            "name": PICKER_CLUSTER,
-            "type": "STATIC",
-            "connect_timeout": "1s",
-            "typed_extension_protocol_options": {
-                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                    "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3."
-                    "HttpProtocolOptions",
-                    "explicit_http_config": {"http2_protocol_options": {}},
-                }
-            },
-            "load_assignment": {
-                "cluster_name": PICKER_CLUSTER,
-                "endpoints": [
-                    {"lb_endpoints": [{"endpoint": {"address": {"pipe": {"path": socket_path}}}}]}
-                ],
-            },
-        }
-    )
-    filters = http_filters(config)
-    after_key = [f["name"] for f in filters].index(ROUTING_FILTER) + 1
+def picker_cluster(socket_path: str) -> dict[str, Any]:
+    """The picker, reached over HTTP/2 on a Unix socket."""
+    return {
+        "name": PICKER_CLUSTER,
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3."
+                "HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}},
+            }
+        },
+        "load_assignment": {
+            "cluster_name": PICKER_CLUSTER,
+            "endpoints": [
+                {"lb_endpoints": [{"endpoint": {"address": {"pipe": {"path": socket_path}}}}]}
+            ],
+        },
+    }
+
+
+def picker_filter() -> dict[str, Any]:
+    """The external processor that asks the picker; if it does not answer in time, the call
+    goes on without (fail open)."""
     # The request's headers, to pick; the response's trailers (gRPC's, before the transcoder
     # on the way back, so REST calls have them too) keep the picker's call open until the
     # request ends, which is how the picker counts each replica's requests in flight.
@@ -294,19 +294,25 @@ def add_replica_picker(config: dict[str, Any], socket_path: str) -> None:
         "request_body_mode": "NONE",
         "response_body_mode": "NONE",
     }
-    filters.insert(
-        after_key,
-        {
-            "name": PICKER_FILTER,
-            "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3."
-                "ExternalProcessor",
-                "grpc_service": {"envoy_grpc": {"cluster_name": PICKER_CLUSTER}},
-                "failure_mode_allow": True,
-                "message_timeout": PICKER_TIMEOUT,
-                "processing_mode": processing_mode,
-            },
+    return {
+        "name": PICKER_FILTER,
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3."
+            "ExternalProcessor",
+            "grpc_service": {"envoy_grpc": {"cluster_name": PICKER_CLUSTER}},
+            "failure_mode_allow": True,
+            "message_timeout": PICKER_TIMEOUT,
+            "processing_mode": processing_mode,
         },
-    )
+    }
+
+
+def add_replica_picker(config: dict[str, Any], socket_path: str) -> None:
+    """Envoy asks the picker listening on `socket_path` about each keyed call, after the key is
+    set and before the router."""
+    config["static_resources"]["clusters"].append(picker_cluster(socket_path))
+    filters = http_filters(config)
+    after_key = [f["name"] for f in filters].index(ROUTING_FILTER) + 1
+    filters.insert(after_key, picker_filter())
     for route in routes(config):
         route.setdefault("typed_per_filter_config", {})[PICKER_FILTER] = picker_route_config(route)
