@@ -13,12 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
 
 from facade.picker.fleet import read_clusters
 from facade.stack import Stack, StackError
 
-__all__ = ["StackError", "TestStack", "free_port", "healthy_upstreams"]
+__all__ = ["StackError", "TestStack", "free_port", "healthy_upstreams", "lua_errors"]
 
 
 def free_port() -> int:
@@ -26,6 +27,12 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def lua_errors(admin_url: str) -> int:
+    """Envoy's count of errors raised by its Lua filters' scripts."""
+    stats = httpx.get(f"{admin_url}/stats", params={"filter": r"\.lua\.errors$"}, timeout=10)
+    return sum(int(line.rpartition(": ")[2]) for line in stats.text.splitlines() if line)
 
 
 def healthy_upstreams(admin_url: str, cluster: str) -> set[str]:

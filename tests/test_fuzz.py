@@ -21,7 +21,7 @@ from llmcompletions.v2.completions_pb2 import CreateCompletionRequest
 from tests.conftest import AUTH_HEADERS, GRPC_AUTH, MODEL
 from tests.helpers import CAPITAL_PROMPT, complete
 from tests.metrics import sample
-from tests.processes import TestStack
+from tests.processes import TestStack, lua_errors
 
 FUZZ_EXAMPLES = 150
 FUZZ_SETTINGS = settings(
@@ -106,10 +106,12 @@ hostile_values = long_texts | st.sampled_from(
         "x" * 70000,
     ]
 )
+models = st.sampled_from([MODEL, MODEL, "", "other"]) | json_values | long_texts
+prompts = st.sampled_from(["Hi", ["a", "b"], [1, 2]]) | json_values | hostile_values
 bodies = st.fixed_dictionaries(
     {
-        "model": st.sampled_from([MODEL, MODEL, "", "other"]) | json_values | long_texts,
-        "prompt": st.sampled_from(["Hi", ["a", "b"], [1, 2]]) | json_values | hostile_values,
+        "model": models,
+        "prompt": prompts,
         "max_tokens": st.sampled_from([1, 2, 0, -1, None, "x", 2**40, 10**9]),
     },
     optional={
@@ -154,29 +156,34 @@ def check_grpc_error(error: grpc.RpcError) -> None:
     assert size <= MAX_ERROR_METADATA_BYTES, (error.code(), size)
 
 
+def fuzz_rest(client: httpx.Client, json_bodies: st.SearchStrategy[dict[str, Any]]) -> None:
+    """Posts generated JSON bodies, then raw bytes, and checks every reply."""
+
+    @FUZZ_SETTINGS
+    @given(body=json_bodies)
+    def send_json(body: dict[str, Any]) -> None:
+        # json.dumps escapes lone surrogates (\ud800) that httpx would refuse to encode.
+        content = json.dumps(body).encode()
+        response = client.post(
+            "/v2/completions", content=content, headers={"content-type": "application/json"}
+        )
+        check_rest_reply(response)
+
+    @FUZZ_SETTINGS
+    @given(raw=raw_bodies)
+    def send_raw(raw: bytes) -> None:
+        response = client.post(
+            "/v2/completions", content=raw, headers={"content-type": "application/json"}
+        )
+        check_rest_reply(response)
+
+    send_json()
+    send_raw()
+
+
 def test_rest_survives_hostile_bodies(stack: TestStack) -> None:
     with httpx.Client(base_url=stack.base_url, headers=AUTH_HEADERS, timeout=120) as client:
-
-        @FUZZ_SETTINGS
-        @given(body=bodies)
-        def send_json(body: dict[str, Any]) -> None:
-            # json.dumps escapes lone surrogates (\ud800) that httpx would refuse to encode.
-            content = json.dumps(body).encode()
-            response = client.post(
-                "/v2/completions", content=content, headers={"content-type": "application/json"}
-            )
-            check_rest_reply(response)
-
-        @FUZZ_SETTINGS
-        @given(raw=raw_bodies)
-        def send_raw(raw: bytes) -> None:
-            response = client.post(
-                "/v2/completions", content=raw, headers={"content-type": "application/json"}
-            )
-            check_rest_reply(response)
-
-        send_json()
-        send_raw()
+        fuzz_rest(client, bodies)
 
 
 def grpc_message(body: dict[str, Any]) -> CreateCompletionRequest | None:
@@ -189,25 +196,37 @@ def grpc_message(body: dict[str, Any]) -> CreateCompletionRequest | None:
         return None
 
 
+def fuzz_grpc(
+    stub: completions_pb2_grpc.CompletionServiceStub,
+    json_bodies: st.SearchStrategy[dict[str, Any]],
+    metadata: tuple[tuple[str, str], ...] = (),
+) -> None:
+    """Sends the generated bodies protobuf can represent, and checks every error."""
+
+    @FUZZ_SETTINGS
+    @given(body=json_bodies)
+    def send(body: dict[str, Any]) -> None:
+        request = grpc_message(body)
+        if request is None:
+            return
+        try:
+            list(stub.CreateCompletion(request, timeout=120, metadata=metadata))
+        except grpc.RpcError as error:
+            check_grpc_error(error)
+
+    send()
+
+
 def test_grpc_survives_hostile_requests(stack: TestStack) -> None:
     with grpc.insecure_channel(stack.grpc_target) as channel:
-        stub = completions_pb2_grpc.CompletionServiceStub(channel)
-
-        @FUZZ_SETTINGS
-        @given(body=bodies)
-        def send(body: dict[str, Any]) -> None:
-            request = grpc_message(body)
-            if request is None:
-                return
-            try:
-                list(stub.CreateCompletion(request, timeout=120, metadata=GRPC_AUTH))
-            except grpc.RpcError as error:
-                check_grpc_error(error)
-
-        send()
+        fuzz_grpc(completions_pb2_grpc.CompletionServiceStub(channel), bodies, GRPC_AUTH)
 
 
-def test_service_is_healthy_after_fuzzing(rest: httpx.Client, metrics_url: str) -> None:
+def test_service_is_healthy_after_fuzzing(
+    stack: TestStack, rest: httpx.Client, metrics_url: str
+) -> None:
+    # A Lua filter that fails lets the reply pass without the REST framing it applies.
+    assert lua_errors(f"http://127.0.0.1:{stack.admin_port}") == 0
     assert complete(rest, prompt=CAPITAL_PROMPT, max_tokens=4)["choices"][0]["text"].startswith(
         " Paris"
     )

@@ -3,7 +3,8 @@ its own, with a LoRA adapter), Envoy started as `facade.launch` starts it by def
 requests that share a model and leading prompt land on one replica (REST whole and streamed,
 gRPC, text and token ids), whose prefix cache then serves them; instructions every prompt
 shares do not pull the documents after them onto one replica; adapters are keyed apart;
-calls without a prompt carry no key; a hot prefix spills to the other replica under load; a
+calls without a prompt carry no key; hostile prompts get answers, with no Lua error and the
+picker unharmed; a hot prefix spills to the other replica under load; a
 killed replica's prefixes move to the other without failures. Tests run in file order; the
 last one kills a replica."""
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import signal
 import subprocess
 import sys
@@ -26,17 +28,21 @@ import grpc
 import httpx
 import psutil
 import pytest
+from google.protobuf import struct_pb2
+from hypothesis import strategies as st
 from llmcompletions.v2 import completions_pb2_grpc
+from llmcompletions.v2.completions_pb2 import CreateCompletionRequest
 
 from bench.routing import common_prefix_length
 from facade.balancing import PATH_HEADER, PrefixAffinity
 from facade.picker import REPLICA_HEADER
 from facade.picker.policy import PromptPath
-from tests.conftest import ENGINE_START_TIMEOUT, SMALL_ENGINE
+from tests.conftest import ENGINE_START_TIMEOUT, MODEL, SMALL_ENGINE
 from tests.helpers import body, grpc_request
 from tests.metrics import engine_block_tokens
-from tests.processes import TestStack, free_port, healthy_upstreams
+from tests.processes import TestStack, free_port, healthy_upstreams, lua_errors
 from tests.test_adapters import build_adapter
+from tests.test_fuzz import fuzz_grpc, fuzz_rest, models, prompts
 
 ADAPTER = "sql"
 KEY_HEADER = "x-prefix-key"
@@ -349,6 +355,43 @@ def test_calls_without_a_prompt_carry_no_key(fleet: Fleet) -> None:
         timeout=30,
     )
     assert long_name.status_code == 404  # answered by a replica, not refused for its headers
+
+
+# Token ids that JSON cannot carry (or that no vocabulary has), sent over gRPC.
+UNREPRESENTABLE_IDS = ([math.nan], [math.inf, 1.0], [-math.inf], [2.0**40], [-1.0], [0.5])
+routing_bodies = st.fixed_dictionaries(
+    {"model": models | st.just(ADAPTER), "prompt": prompts, "max_tokens": st.just(1)}
+)
+
+
+def test_hostile_prompts_through_the_routing_path_get_answers(fleet: Fleet) -> None:
+    # The routing filter and the picker read every completion's model and prompt here.
+    supervisor, picker = picker_of(fleet.envoy)
+    with httpx.Client(base_url=fleet.base_url, timeout=120) as client:
+        fuzz_rest(client, routing_bodies)
+    with grpc.insecure_channel(fleet.grpc_target) as channel:
+        stub = completions_pb2_grpc.CompletionServiceStub(channel)
+        fuzz_grpc(stub, routing_bodies)
+        for ids in UNREPRESENTABLE_IDS:
+            prompt = struct_pb2.Value()
+            prompt.list_value.values.extend(struct_pb2.Value(number_value=i) for i in ids)
+            request = CreateCompletionRequest(model=MODEL, prompt=prompt, max_tokens=1)
+            with pytest.raises(grpc.RpcError) as refused:
+                list(stub.CreateCompletion(request, timeout=60))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, ids
+    # Nothing crashed or restarted, no Lua filter failed (one that fails lets the request pass
+    # unkeyed), and the picker still picks.
+    assert fleet.envoy.poll() is None
+    assert lua_errors(fleet.admin_url) == 0
+    assert is_picker(picker) and picker_of(fleet.envoy) == (supervisor, picker)
+    reply = httpx.post(
+        f"{fleet.base_url}/v2/completions",
+        json=body(prompt=shared_prefix("after hostile prompts"), max_tokens=1),
+        timeout=120,
+    )
+    assert reply.status_code == 200, reply.text[:300]
+    replicas = sorted(r.grpc_target for r in fleet.replicas)
+    assert sorted(reply.headers["x-replica-picked"].split(",")) == replicas
 
 
 def test_a_hot_prefix_spills_to_the_other_replica_under_load(fleet: Fleet) -> None:
