@@ -8,6 +8,7 @@
 # make profile CPU per generated token of each server and serving-path option, then bench-frontend
 # make bench-routing  two replicas behind Envoy: prefix affinity against least request
 # make bench-routing-keys  the same fleet: how long the routing key should be
+# make bench-routing-fronts  the same fleet behind two Envoys, as deploy/ runs them
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -19,7 +20,7 @@ STAMP := $(VENV)/.installed-$(ENGINE)
 # The unit layer; --confcutdir keeps tests/conftest.py (it starts the engine and Envoy) unloaded.
 UNIT_TESTS := tests/unit --confcutdir=tests/unit
 
-.PHONY: install serve test unit proto lint bench profile bench-frontend bench-frontend-same-flags bench-routing bench-routing-keys
+.PHONY: install serve test unit proto lint bench profile bench-frontend bench-frontend-same-flags bench-routing bench-routing-keys bench-routing-fronts
 
 install: $(STAMP)
 
@@ -77,6 +78,12 @@ bench-routing: install
 # Envoy, against the picker's path), 2 rounds (about 20 minutes); bench/results/routing-keys.*.
 bench-routing-keys: install
 	$(BIN)/python -m bench.routing_keys $(ROUTING_ARGS)
+
+# The same fleet and workloads with each policy behind two Envoys (each prefix Envoy with a
+# picker of its own), and one picker for reference, 2 rounds (about 20 minutes);
+# bench/results/routing-fronts.*.
+bench-routing-fronts: install
+	$(BIN)/python -m bench.routing_fronts $(ROUTING_ARGS)
 
 proto: install
 	$(BIN)/python proto/generate.py

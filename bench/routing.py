@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AsyncExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -177,12 +177,19 @@ async def one_request(
 
 
 async def load(
-    base_url: str, chosen: Sequence[str | list[int]], concurrency: int
+    base_urls: Sequence[str], chosen: Sequence[str | list[int]], concurrency: int
 ) -> dict[str, Any]:
+    """The prompts at `concurrency`, each to the next of the Envoys at `base_urls` in turn."""
     gate = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
+    async with AsyncExitStack() as stack:
+        clients = [
+            await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=600))
+            for url in base_urls
+        ]
         started = time.perf_counter()
-        results = await asyncio.gather(*(one_request(client, p, gate) for p in chosen))
+        results = await asyncio.gather(
+            *(one_request(clients[i % len(clients)], p, gate) for i, p in enumerate(chosen))
+        )
         elapsed = time.perf_counter() - started
     ttfts = sorted(ttft for ttft, _ in results)
     return {
@@ -222,16 +229,18 @@ def per_replica(before: list[dict[str, float]], after: list[dict[str, float]]) -
 
 def run_once(
     fleet: Fleet,
-    policy: str,
+    fronts: Sequence[str],
     workload: Workload,
     chosen: list[str],
     tokenizer: PreTrainedTokenizerBase,
 ) -> dict:
+    """The prompts through the named Envoys (`fronts`, taking requests in turn)."""
     token_ids = [tokenizer(p)["input_ids"] for p in chosen]
     best = best_hit_rate(token_ids, fleet.block_tokens)
     sent = token_ids if workload.token_ids else chosen
     before = [replica_counters(url) for url in fleet.metrics_urls]
-    measured = asyncio.run(load(fleet.base_urls[policy], sent, workload.concurrency))
+    urls = [fleet.base_urls[front] for front in fronts]
+    measured = asyncio.run(load(urls, sent, workload.concurrency))
     after = [replica_counters(url) for url in fleet.metrics_urls]
     return {**measured, **per_replica(before, after), "best_hit_rate": best}
 
@@ -242,16 +251,19 @@ def run_rounds(
     names: list[str],
     rounds: int,
     tokenizer: PreTrainedTokenizerBase,
+    fronts: dict[str, list[str]] | None = None,
 ) -> dict[str, dict[str, list[dict]]]:
-    """Each workload through each named Envoy, `rounds` times; which Envoy goes first alternates
-    by round, and each run has prefixes of its own."""
+    """Each workload through each named Envoy (or, with `fronts`, each name's Envoys, taking
+    requests in turn), `rounds` times; which goes first alternates by round, and each run has
+    prefixes of its own."""
+    fronts = fronts or {name: [name] for name in names}
     results: dict[str, dict[str, list[dict]]] = {w.name: {n: [] for n in names} for w in workloads}
     for round_index in range(rounds):
         for workload in workloads:
             for name in names if round_index % 2 == 0 else names[::-1]:
                 rng = random.Random(f"{round_index}/{workload.name}/{name}")
                 chosen = prompts(workload, rng, tokenizer)
-                run = run_once(fleet, name, workload, chosen, tokenizer)
+                run = run_once(fleet, fronts[name], workload, chosen, tokenizer)
                 results[workload.name][name].append(run)
                 print(
                     f"round {round_index + 1}/{rounds} {workload.name} {name}: "

@@ -1,0 +1,97 @@
+"""Routing behind two Envoys, as deploy/ runs them (`make bench-routing-fronts`): bench-routing's
+two replicas, KV cache and workloads, with each policy's requests spread over two Envoys in
+front of the same replicas (request i to Envoy i mod 2, as a Service spreads its clients), and
+one Envoy with the replica picker beside them for reference. Each Envoy started as
+facade.launch starts it, so each `prefix` Envoy has a picker of its own. Reported per workload
+and front: TTFT, throughput, hit rate beside the best possible, shares; medians over rounds.
+Results in bench/results/routing-fronts.{json,md}.
+
+Usage: python -m bench.routing_fronts [--rounds N] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from bench.routing import (
+    KV_CACHE_GIB,
+    POLICIES,
+    RESULTS,
+    WORKLOADS,
+    fleet_running,
+    results_table,
+    run_rounds,
+    summary,
+)
+from service.model.default_model import prepare_default_model
+
+ENVOYS_PER_FRONT = 2
+ONE_PICKER = "prefix, one Envoy"
+
+
+def envoys() -> dict[str, list[str]]:
+    """Two Envoys for each policy, named `policy #n`, with facade.launch's defaults."""
+    return {
+        f"{policy} #{n}": ["--balance", policy]
+        for policy in POLICIES
+        for n in range(1, ENVOYS_PER_FRONT + 1)
+    }
+
+
+def fronts() -> dict[str, list[str]]:
+    """What each measured front sends requests to: a policy's two Envoys, or one picker's."""
+    two = {
+        f"{policy}, two Envoys": [f"{policy} #{n}" for n in range(1, ENVOYS_PER_FRONT + 1)]
+        for policy in POLICIES
+    }
+    return {**two, ONE_PICKER: ["prefix #1"]}
+
+
+def markdown(table: dict[str, dict[str, dict]], rounds: int) -> str:
+    lines = [
+        f"# Routing behind two Envoys ({rounds} rounds, medians)",
+        "",
+        *results_table(table, column="front"),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    model_dir = prepare_default_model()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    logs = Path(tempfile.mkdtemp(prefix="bench-routing-fronts-"))
+    print(f"replica logs in {logs}", flush=True)
+    measured = fronts()
+    with fleet_running(model_dir, logs, envoys(), KV_CACHE_GIB) as fleet:
+        results = run_rounds(
+            fleet, WORKLOADS, list(measured), args.rounds, tokenizer, fronts=measured
+        )
+    table = summary(results)
+    document = {
+        "settings": {
+            "kv_cache_gib": KV_CACHE_GIB,
+            "workloads": [asdict(w) for w in WORKLOADS],
+            "rounds": args.rounds,
+            "fronts": measured,
+        },
+        "runs": results,
+        "medians": table,
+    }
+    (args.out / "routing-fronts.json").write_text(json.dumps(document, indent=2))
+    (args.out / "routing-fronts.md").write_text(markdown(table, args.rounds))
+    print(markdown(table, args.rounds))
+
+
+if __name__ == "__main__":
+    main()
