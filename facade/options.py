@@ -15,7 +15,7 @@ from facade.render import (
     DEFAULT_MAX_REPLY_BYTES,
     DEFAULT_MAX_REQUEST_BYTES,
 )
-from service.options import add_option, at_least, one_of
+from service.options import add_option, add_switch, at_least, one_of
 
 DEFAULT_DISCOVERY_TIMEOUT = 1800.0  # pools may still be loading large models
 positive_int = at_least(1)
@@ -28,10 +28,6 @@ def from_env(name: str, fallback: object = None) -> str | None:
     as it does a flag's value, so a bad value gets a usage error rather than a traceback."""
     value = os.environ.get(name) or fallback
     return None if value is None else str(value)
-
-
-def env_switch(name: str) -> bool:
-    return os.environ.get(name, "") in ("1", "true", "yes", "on")
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -61,12 +57,12 @@ def add_listener_options(parser: argparse.ArgumentParser) -> None:
         "Envoy worker threads (unset: one per hardware thread)",
         positive_int,
     )
-    parser.add_argument(
+    add_switch(
+        parser,
         "--debug-headers",
-        action="store_true",
-        default=env_switch("ENVOY_DEBUG_HEADERS"),
-        help="add x-upstream-host and x-upstream-service-time to REST and gRPC replies "
-        "(env ENVOY_DEBUG_HEADERS=1; off by default: they reveal internal addresses)",
+        "ENVOY_DEBUG_HEADERS",
+        "add x-upstream-host and x-upstream-service-time to REST and gRPC replies (they reveal "
+        "internal addresses)",
     )
     parser.add_argument(
         "--log-level",
