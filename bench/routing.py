@@ -473,10 +473,24 @@ def plot(path: Path, table: dict[str, dict[str, dict]]) -> None:
     figure.savefig(path, dpi=120)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
+def base_parser(doc: str, rounds: int) -> argparse.ArgumentParser:
+    """A routing benchmark's command line: --rounds and --out."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=rounds)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    return parser
+
+
+def prepared(name: str) -> tuple[Path, PreTrainedTokenizerBase, Path]:
+    """The default model's directory, its tokenizer, and a new directory for replica logs."""
+    model_dir = prepare_default_model()
+    logs = Path(tempfile.mkdtemp(prefix=f"{name}-"))
+    print(f"replica logs in {logs}", flush=True)
+    return model_dir, AutoTokenizer.from_pretrained(model_dir), logs
+
+
+def main() -> None:
+    parser = base_parser(__doc__, rounds=3)
     parser.add_argument(
         "--balance-factor", help="the keyed Envoys' load bound (default: facade.launch's)"
     )
@@ -489,11 +503,8 @@ def main() -> None:
     args = parser.parse_args()
     balance_args = ["--balance-factor", args.balance_factor] if args.balance_factor else []
     args.out.mkdir(parents=True, exist_ok=True)
-    logs = Path(tempfile.mkdtemp(prefix="bench-routing-"))
-    print(f"replica logs in {logs}", flush=True)
     envoys = policy_envoys(balance_args)
-    model_dir = prepare_default_model()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model_dir, tokenizer, logs = prepared("bench-routing")
     with fleet_running(model_dir, logs, envoys, args.kv_cache_gib) as fleet:
         results = run_rounds(fleet, WORKLOADS, list(envoys), args.rounds, tokenizer)
     table = summary(results)

@@ -11,25 +11,20 @@ Usage: python -m bench.routing_fronts [--rounds N] [--out DIR]
 
 from __future__ import annotations
 
-import argparse
 import json
-import tempfile
 from dataclasses import asdict
-from pathlib import Path
-
-from transformers import AutoTokenizer
 
 from bench.routing import (
     KV_CACHE_GIB,
     POLICIES,
-    RESULTS,
     WORKLOADS,
+    base_parser,
     fleet_running,
+    prepared,
     results_table,
     run_rounds,
     summary,
 )
-from service.model.default_model import prepare_default_model
 
 ENVOYS_PER_FRONT = 2
 ONE_PICKER = "prefix, one Envoy"
@@ -63,15 +58,9 @@ def markdown(table: dict[str, dict[str, dict]], rounds: int) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args()
+    args = base_parser(__doc__, rounds=2).parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    model_dir = prepare_default_model()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    logs = Path(tempfile.mkdtemp(prefix="bench-routing-fronts-"))
-    print(f"replica logs in {logs}", flush=True)
+    model_dir, tokenizer, logs = prepared("bench-routing-fronts")
     measured = fronts()
     with fleet_running(model_dir, logs, envoys(), KV_CACHE_GIB) as fleet:
         results = run_rounds(

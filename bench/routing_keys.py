@@ -25,27 +25,24 @@ Usage: python -m bench.routing_keys [--rounds N] [--out DIR]
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
-import tempfile
 from dataclasses import asdict
-from pathlib import Path
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from bench.routing import (
     KV_CACHE_GIB,
-    RESULTS,
     Workload,
+    base_parser,
     fleet_running,
     policy_envoys,
+    prepared,
     prompts,
     results_table,
     run_rounds,
     summary,
 )
-from service.model.default_model import prepare_default_model
 
 INSTRUCTIONS = {"prefix_tokens": 850, "header_tokens": 150}
 LONG_INSTRUCTIONS = {"prefix_tokens": 600, "header_tokens": 400}
@@ -110,16 +107,10 @@ def markdown(table: dict[str, dict[str, dict]], shapes: dict[str, dict], rounds:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args()
+    args = base_parser(__doc__, rounds=2).parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    model_dir = prepare_default_model()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model_dir, tokenizer, logs = prepared("bench-routing-keys")
     shapes = {w.name: depths(w, tokenizer) for w in WORKLOADS}
-    logs = Path(tempfile.mkdtemp(prefix="bench-routing-keys-"))
-    print(f"replica logs in {logs}", flush=True)
     envoys = policy_envoys([])  # each policy with the default key and load bound
     with fleet_running(model_dir, logs, envoys, KV_CACHE_GIB) as fleet:
         results = run_rounds(fleet, WORKLOADS, list(envoys), args.rounds, tokenizer)
