@@ -61,8 +61,9 @@ def add_listener_options(parser: argparse.ArgumentParser) -> None:
         parser,
         "--debug-headers",
         "ENVOY_DEBUG_HEADERS",
-        "add x-upstream-host and x-upstream-service-time to REST and gRPC replies (they reveal "
-        "internal addresses)",
+        "add to REST and gRPC replies the replica that served them (x-upstream-host), its time "
+        "(x-upstream-service-time) and what routed them (x-prefix-key, x-prefix-path, "
+        "x-replica-picked); off by default: they reveal internal addresses",
     )
     parser.add_argument(
         "--log-level",
