@@ -63,7 +63,7 @@ def add_listener_options(parser: argparse.ArgumentParser) -> None:
         "ENVOY_DEBUG_HEADERS",
         "add to REST and gRPC replies the replica that served them (x-upstream-host), its time "
         "(x-upstream-service-time) and what routed them (x-prefix-key, x-prefix-path, "
-        "x-replica-picked); off by default: they reveal internal addresses",
+        "x-replica-picked); they reveal internal addresses",
     )
     parser.add_argument(
         "--log-level",
