@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from facade.balancing import PrefixAffinity
-from facade.options import affinity_from, build_parser, from_env, parse_address
+from facade.options import affinity_from, build_parser, parse_address
 from facade.picker import start_picker
 from facade.pools import Pool, PoolError, discover, listing_header, parse_pool
 from facade.render import (
@@ -52,7 +52,7 @@ def fleet_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Fle
         pools = args.pool or [
             parse_pool(text, parse_address) for text in os.environ.get("POOLS", "").split()
         ]
-        grpc_port = from_env("GRPC_PORT", ServerSettings.port)
+        grpc_port = os.environ.get("GRPC_PORT") or ServerSettings.port
         upstreams = args.upstream or [parse_address(f"127.0.0.1:{grpc_port}")]
     except argparse.ArgumentTypeError as error:
         parser.error(f"POOLS or GRPC_PORT: {error}")

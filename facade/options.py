@@ -4,7 +4,6 @@ environment variable that sets it."""
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 from facade.balancing import BALANCE_POLICIES, PrefixAffinity
@@ -21,13 +20,6 @@ DEFAULT_DISCOVERY_TIMEOUT = 1800.0  # pools may still be loading large models
 positive_int = at_least(1)
 # Envoy's lowest load bound: no replica above the average.
 balance_factor = at_least(100)
-
-
-def from_env(name: str, fallback: object = None) -> str | None:
-    """The variable's text, else the fallback's: argparse converts (and rejects) a text default
-    as it does a flag's value, so a bad value gets a usage error rather than a traceback."""
-    value = os.environ.get(name) or fallback
-    return None if value is None else str(value)
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -118,7 +110,7 @@ def add_limit_options(parser: argparse.ArgumentParser) -> None:
 
 
 def path_option(parser: argparse.ArgumentParser, flag: str, env: str, help_text: str) -> None:
-    parser.add_argument(flag, type=Path, default=from_env(env), help=f"{help_text} (env {env})")
+    add_option(parser, flag, env, None, help_text, Path)
 
 
 def add_tls_options(parser: argparse.ArgumentParser) -> None:
