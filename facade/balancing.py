@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from llmcompletions.v2 import completions_pb2
 
+from facade.addresses import is_ip_address
 from facade.envoy_config import (
     DESCRIPTOR_FILE,
     FACADE_DIR,
@@ -258,9 +260,20 @@ def picker_route_config(route: dict[str, Any]) -> dict[str, Any]:
     return per_route
 
 
-def picker_cluster(socket_path: str) -> dict[str, Any]:
-    """The picker, reached over HTTP/2 on a Unix socket."""
-    return {
+PickerAddress = Path | tuple[str, int]  # beside Envoy: a Unix socket; shared: HOST:PORT
+
+
+def picker_endpoint(picker: PickerAddress) -> dict[str, Any]:
+    if isinstance(picker, Path):
+        return {"address": {"pipe": {"path": str(picker)}}}
+    host, port = picker
+    return {"address": {"socket_address": {"address": host, "port_value": port}}}
+
+
+def picker_cluster(picker: PickerAddress) -> dict[str, Any]:
+    """The picker, reached over HTTP/2: beside Envoy on a Unix socket, or a shared one by its
+    address (a name, such as a Kubernetes Service, resolved by DNS)."""
+    cluster: dict[str, Any] = {
         "name": PICKER_CLUSTER,
         "type": "STATIC",
         "connect_timeout": "1s",
@@ -273,11 +286,12 @@ def picker_cluster(socket_path: str) -> dict[str, Any]:
         },
         "load_assignment": {
             "cluster_name": PICKER_CLUSTER,
-            "endpoints": [
-                {"lb_endpoints": [{"endpoint": {"address": {"pipe": {"path": socket_path}}}}]}
-            ],
+            "endpoints": [{"lb_endpoints": [{"endpoint": picker_endpoint(picker)}]}],
         },
     }
+    if not isinstance(picker, Path) and not is_ip_address(picker[0]):
+        cluster["type"] = "STRICT_DNS"
+    return cluster
 
 
 def picker_filter() -> dict[str, Any]:
@@ -303,14 +317,17 @@ def picker_filter() -> dict[str, Any]:
             "failure_mode_allow": True,
             "message_timeout": PICKER_TIMEOUT,
             "processing_mode": processing_mode,
+            # The picker needs the prompt's path alone: callers' credentials and the rest of
+            # their headers stay in Envoy, even when the picker is across the network.
+            "forward_rules": {"allowed_headers": {"patterns": [{"exact": PATH_HEADER}]}},
         },
     }
 
 
-def add_replica_picker(config: dict[str, Any], socket_path: str) -> None:
-    """Envoy asks the picker listening on `socket_path` about each keyed call, after the key is
-    set and before the router."""
-    config["static_resources"]["clusters"].append(picker_cluster(socket_path))
+def add_replica_picker(config: dict[str, Any], picker: PickerAddress) -> None:
+    """Envoy asks the picker at `picker` about each keyed call, after the key is set and before
+    the router."""
+    config["static_resources"]["clusters"].append(picker_cluster(picker))
     filters = http_filters(config)
     after_key = [f["name"] for f in filters].index(ROUTING_FILTER) + 1
     filters.insert(after_key, picker_filter())

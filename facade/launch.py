@@ -10,13 +10,13 @@ import argparse
 import os
 import sys
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from facade.addresses import Address
 from facade.balancing import PrefixAffinity
-from facade.options import affinity_from, build_parser, parse_address
+from facade.options import Fleet, affinity_from, build_parser, fleet_from, upstream_tls_from
 from facade.picker import start_picker
-from facade.pools import Pool, PoolError, discover, listing_header, parse_pool
+from facade.pools import PoolError, discover, listing_header
 from facade.render import (
     apply_tls,
     configure_routing,
@@ -25,40 +25,12 @@ from facade.render import (
     several_replicas,
     write_config,
 )
-from facade.tls import UpstreamTls, listener_tls, upstream_tls
-from service.settings import ServerSettings, TlsSettings
-
-
-@dataclass
-class Fleet:
-    """The replicas behind Envoy: one pool of `upstreams`, or several `pools` routed by model."""
-
-    upstreams: list[tuple[str, int]]
-    pools: list[Pool] = field(default_factory=list)
-    listing: str = ""  # every pool's models, for the calls no pool owns
-
-    @property
-    def groups(self) -> list[list[tuple[str, int]]]:
-        return [list(pool.addresses) for pool in self.pools] or [self.upstreams]
+from facade.tls import UpstreamTls, listener_tls
+from service.settings import TlsSettings
 
 
 def log(message: str) -> None:
     print(f"envoy: {message}", flush=True)
-
-
-def fleet_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Fleet:
-    """The replicas named on the command line, or by POOLS and GRPC_PORT."""
-    try:
-        pools = args.pool or [
-            parse_pool(text, parse_address) for text in os.environ.get("POOLS", "").split()
-        ]
-        grpc_port = os.environ.get("GRPC_PORT") or ServerSettings.port
-        upstreams = args.upstream or [parse_address(f"127.0.0.1:{grpc_port}")]
-    except argparse.ArgumentTypeError as error:
-        parser.error(f"POOLS or GRPC_PORT: {error}")
-    if pools and args.upstream:
-        parser.error("give either --upstream (one pool) or --pool (several), not both")
-    return Fleet(upstreams, pools)
 
 
 def tls_from(
@@ -67,12 +39,9 @@ def tls_from(
     """TLS on the listener, and to the replicas, each None for plaintext."""
     try:
         listener = listener_tls(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file)
-        upstream = upstream_tls(
-            args.upstream_ca_file, args.upstream_cert_file, args.upstream_key_file
-        )
     except argparse.ArgumentTypeError as error:
         parser.error(str(error))
-    return listener, upstream
+    return listener, upstream_tls_from(args, parser)
 
 
 def discovered(fleet: Fleet, upstream: UpstreamTls | None, timeout: float) -> Fleet:
@@ -99,9 +68,19 @@ def describe_tls(tls: TlsSettings | UpstreamTls | None) -> str:
     return "mutual TLS" if tls.mutual else "TLS"
 
 
+def describe_balance(affinity: PrefixAffinity | None, picker: Address | None) -> str:
+    if affinity is None:
+        return "least request"
+    if picker is None:
+        return f"prefix ({affinity})"
+    return f"prefix ({affinity}), asking the shared picker at {picker[0]}:{picker[1]}"
+
+
 def main() -> None:
     parser = build_parser(__doc__.splitlines()[0])
     args = parser.parse_args()
+    if args.picker is not None and args.balance != "prefix":
+        parser.error(f"--picker is the picker of --balance prefix, not {args.balance}")
     listener, upstream = tls_from(args, parser)
     fleet = discovered(fleet_from(args, parser), upstream, args.discovery_timeout)
     config = render_config(
@@ -116,15 +95,15 @@ def main() -> None:
     affinity = balancing(args, fleet)
     directory = Path(tempfile.mkdtemp(prefix="envoy-facade-"))
     picker_socket = directory / "picker.sock"
-    configure_routing(config, fleet.pools, fleet.listing, affinity, picker_socket)
+    configure_routing(config, fleet.pools, fleet.listing, affinity, args.picker or picker_socket)
     apply_tls(config, listener, upstream, directory)
     command = envoy_command(write_config(config, directory), args.log_level, args.concurrency)
     log(
         f"REST and gRPC on {args.listen_host}:{args.http_port} ({describe_tls(listener)}) -> "
         f"replicas {fleet.upstreams} ({describe_tls(upstream)}), balanced by "
-        + ("least request" if affinity is None else f"prefix ({affinity})")
+        + describe_balance(affinity, args.picker)
     )
-    if affinity is not None and affinity.picker:
+    if affinity is not None and affinity.picker and args.picker is None:
         start_picker(
             str(picker_socket), f"http://127.0.0.1:{args.admin_port}", affinity.balance_factor
         )

@@ -4,17 +4,22 @@ environment variable that sets it."""
 from __future__ import annotations
 
 import argparse
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from facade.addresses import parse_address
 from facade.balancing import BALANCE_POLICIES, PrefixAffinity
-from facade.pools import parse_pool
+from facade.pools import Pool, parse_pool
 from facade.render import (
     DEFAULT_ADMIN_PORT,
     DEFAULT_HTTP_PORT,
     DEFAULT_MAX_REPLY_BYTES,
     DEFAULT_MAX_REQUEST_BYTES,
 )
+from facade.tls import UpstreamTls, upstream_tls
 from service.options import add_option, add_switch, at_least, one_of
+from service.settings import ServerSettings
 
 DEFAULT_DISCOVERY_TIMEOUT = 1800.0  # pools may still be loading large models
 positive_int = at_least(1)
@@ -22,11 +27,42 @@ positive_int = at_least(1)
 balance_factor = at_least(100)
 
 
-def parse_address(text: str) -> tuple[str, int]:
-    host, _, port = text.rpartition(":")
-    if not host or not port.isdigit():
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
-    return host, int(port)
+@dataclass
+class Fleet:
+    """The replicas behind Envoy: one pool of `upstreams`, or several `pools` routed by model."""
+
+    upstreams: list[tuple[str, int]]
+    pools: list[Pool] = field(default_factory=list)
+    listing: str = ""  # every pool's models, for the calls no pool owns
+
+    @property
+    def groups(self) -> list[list[tuple[str, int]]]:
+        return [list(pool.addresses) for pool in self.pools] or [self.upstreams]
+
+
+def fleet_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Fleet:
+    """The replicas named on the command line, or by POOLS and GRPC_PORT."""
+    try:
+        pools = args.pool or [
+            parse_pool(text, parse_address) for text in os.environ.get("POOLS", "").split()
+        ]
+        grpc_port = os.environ.get("GRPC_PORT") or ServerSettings.port
+        upstreams = args.upstream or [parse_address(f"127.0.0.1:{grpc_port}")]
+    except argparse.ArgumentTypeError as error:
+        parser.error(f"POOLS or GRPC_PORT: {error}")
+    if pools and args.upstream:
+        parser.error("give either --upstream (one pool) or --pool (several), not both")
+    return Fleet(upstreams, pools)
+
+
+def upstream_tls_from(
+    args: argparse.Namespace, parser: argparse.ArgumentParser
+) -> UpstreamTls | None:
+    """TLS to the replicas, or None for plaintext."""
+    try:
+        return upstream_tls(args.upstream_ca_file, args.upstream_cert_file, args.upstream_key_file)
+    except argparse.ArgumentTypeError as error:
+        parser.error(str(error))
 
 
 def add_listener_options(parser: argparse.ArgumentParser) -> None:
@@ -65,6 +101,18 @@ def add_listener_options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_replica_options(parser: argparse.ArgumentParser) -> None:
+    add_replica_address_options(parser)
+    add_option(
+        parser,
+        "--discovery-timeout",
+        "DISCOVERY_TIMEOUT",
+        DEFAULT_DISCOVERY_TIMEOUT,
+        "with --pool: how long to wait for each pool to answer ListModels (seconds)",
+        float,
+    )
+
+
+def add_replica_address_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--upstream",
         type=parse_address,
@@ -78,14 +126,6 @@ def add_replica_options(parser: argparse.ArgumentParser) -> None:
         help="NAME=HOST:PORT[,HOST:PORT...]: replicas serving the base model NAME (its served "
         "name) and its adapters; repeat for each base model, and each call goes to the pool "
         "serving its `model` (env POOLS, space-separated)",
-    )
-    add_option(
-        parser,
-        "--discovery-timeout",
-        "DISCOVERY_TIMEOUT",
-        DEFAULT_DISCOVERY_TIMEOUT,
-        "with --pool: how long to wait for each pool to answer ListModels (seconds)",
-        float,
     )
 
 
@@ -114,6 +154,11 @@ def path_option(parser: argparse.ArgumentParser, flag: str, env: str, help_text:
 
 
 def add_tls_options(parser: argparse.ArgumentParser) -> None:
+    add_listener_tls_options(parser)
+    add_upstream_tls_options(parser)
+
+
+def add_listener_tls_options(parser: argparse.ArgumentParser) -> None:
     path_option(
         parser,
         "--tls-cert-file",
@@ -128,6 +173,9 @@ def add_tls_options(parser: argparse.ArgumentParser) -> None:
         "TLS_CLIENT_CA_FILE",
         "require callers' certificates signed by these PEM CA certificates (mutual TLS)",
     )
+
+
+def add_upstream_tls_options(parser: argparse.ArgumentParser) -> None:
     path_option(
         parser,
         "--upstream-ca-file",
@@ -185,6 +233,19 @@ def add_balance_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_picker_option(parser: argparse.ArgumentParser) -> None:
+    add_option(
+        parser,
+        "--picker",
+        "PICKER",
+        None,
+        "with --balance prefix: ask the replica picker at HOST:PORT, one shared by several "
+        "Envoys of the pools (python -m facade.picker.server --listen), instead of starting "
+        "one beside this Envoy",
+        parse_address,
+    )
+
+
 def affinity_from(args: argparse.Namespace) -> PrefixAffinity | None:
     if args.balance == "least-request":
         return None
@@ -199,4 +260,5 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     add_limit_options(parser)
     add_tls_options(parser)
     add_balance_options(parser)
+    add_picker_option(parser)
     return parser

@@ -4,7 +4,6 @@ filled in, the replicas of each pool, routing by model and within a pool, TLS.""
 from __future__ import annotations
 
 import copy
-import ipaddress
 import shutil
 import sys
 from collections.abc import Sequence
@@ -13,11 +12,14 @@ from typing import Any
 
 import yaml
 
+from facade.addresses import Address, is_ip_address
 from facade.balancing import (
+    PickerAddress,
     PrefixAffinity,
     add_prefix_affinity,
     add_replica_picker,
     install_routing_filters,
+    twin_name,
 )
 from facade.envoy_config import (
     DESCRIPTOR_FILE,
@@ -59,14 +61,6 @@ DEBUG_HEADERS = [
 ]
 
 
-def is_ip_address(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
-
-
 def render_config(
     http_port: int,
     admin_port: int,
@@ -106,6 +100,9 @@ def render_config(
 def set_endpoints(cluster: dict[str, Any], addresses: Sequence[tuple[str, int]]) -> None:
     if any(not is_ip_address(host) for host, _ in addresses):
         cluster["type"] = "STRICT_DNS"  # e.g. a headless Service: every address it resolves to
+        # As a shared replica picker resolves it (facade/addresses.py), so that both name the
+        # same replicas.
+        cluster["dns_lookup_family"] = "V4_PREFERRED"
     cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
         {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}
         for host, port in addresses
@@ -184,17 +181,27 @@ def configure_routing(
     pools: Sequence[Pool],
     listing: str,
     affinity: PrefixAffinity | None,
-    picker_socket: Path | None = None,
+    picker: PickerAddress | None = None,
 ) -> None:
     """Routes by model over several pools (if given), and prefix affinity within each pool
-    (unless least request was asked for), with the replica picker on `picker_socket`."""
+    (unless least request was asked for), with the replica picker at `picker`."""
     if pools:
         route_by_model(config, pools, listing)
     if affinity is not None:
         add_prefix_affinity(config, affinity)
     install_routing_filters(config, by_model=bool(pools), affinity=affinity)
-    if affinity is not None and affinity.picker and picker_socket is not None:
-        add_replica_picker(config, str(picker_socket))
+    if affinity is not None and affinity.picker and picker is not None:
+        add_replica_picker(config, picker)
+
+
+def keyed_clusters(
+    upstreams: Sequence[Address], pools: Sequence[Pool]
+) -> dict[str, tuple[Address, ...]]:
+    """The clusters Envoy asks the replica picker about (each pool's twin balanced by key),
+    with the addresses of their replicas."""
+    if pools:
+        return {twin_name(pool.cluster): pool.addresses for pool in pools}
+    return {twin_name(TEMPLATE["static_resources"]["clusters"][0]["name"]): tuple(upstreams)}
 
 
 def several_replicas(groups: Sequence[Sequence[tuple[str, int]]]) -> bool:

@@ -8,6 +8,8 @@ import contextlib
 import os
 import socket
 import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +21,14 @@ import psutil
 from facade.picker.fleet import read_clusters
 from facade.stack import Stack, StackError
 
-__all__ = ["StackError", "TestStack", "free_port", "healthy_upstreams", "lua_errors"]
+__all__ = [
+    "StackError",
+    "TestStack",
+    "free_port",
+    "healthy_upstreams",
+    "lua_errors",
+    "shared_picker",
+]
 
 
 def free_port() -> int:
@@ -43,6 +52,30 @@ def healthy_upstreams(admin_url: str, cluster: str) -> set[str]:
     except OSError:
         return set()
     return {host for host, replica in hosts.items() if replica.healthy}
+
+
+@contextlib.contextmanager
+def shared_picker(
+    port: int, upstreams: list[str], timeout: float = 30
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A replica picker for several Envoys (each started with --picker 127.0.0.1:PORT),
+    checking the replicas' health itself, once it accepts calls."""
+    command = [sys.executable, "-m", "facade.picker.server", "--listen", f"127.0.0.1:{port}"]
+    for upstream in upstreams:
+        command += ["--upstream", upstream]
+    picker = subprocess.Popen(command)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+                break
+            if picker.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the shared picker did not start (exit code {picker.poll()})")
+            time.sleep(0.2)
+        yield picker
+    finally:
+        picker.terminate()
+        picker.wait(timeout=30)
 
 
 @dataclass

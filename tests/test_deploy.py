@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from facade.options import parse_address
+from facade.addresses import parse_address
 from facade.render import ENVOY_TEMPLATE
 from service.cli import build_parser
 from service.settings import ServerSettings

@@ -40,7 +40,13 @@ from facade.picker.policy import PromptPath
 from tests.conftest import ENGINE_START_TIMEOUT, MODEL, SMALL_ENGINE
 from tests.helpers import body, grpc_request
 from tests.metrics import engine_block_tokens
-from tests.processes import TestStack, free_port, healthy_upstreams, lua_errors
+from tests.processes import (
+    TestStack,
+    free_port,
+    healthy_upstreams,
+    lua_errors,
+    shared_picker,
+)
 from tests.test_adapters import build_adapter
 from tests.test_fuzz import fuzz_grpc, fuzz_rest, models, prompts
 
@@ -96,11 +102,11 @@ def fleet(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 
 @contextlib.contextmanager
-def facade(replicas: list[TestStack]) -> Iterator[Fleet]:
-    """Envoy in front of the replicas, as facade.launch starts it by default, once it sees
-    both healthy."""
+def facade(replicas: list[TestStack], *launch_args: str) -> Iterator[Fleet]:
+    """Envoy in front of the replicas, as facade.launch starts it by default (or with
+    `launch_args`), once it sees both healthy."""
     http_port, admin_port = free_port(), free_port()
-    command = [sys.executable, "-m", "facade.launch", "--debug-headers"]
+    command = [sys.executable, "-m", "facade.launch", "--debug-headers", *launch_args]
     command += ["--http-port", str(http_port), "--admin-port", str(admin_port)]
     for replica in replicas:
         command += ["--upstream", replica.grpc_target]
@@ -438,6 +444,57 @@ def test_without_its_picker_envoy_still_keeps_a_prefix_on_one_replica(fleet: Fle
                     metadata=((REPLICA_HEADER, targets[i]),),
                 )
             )
+        assert len(hosts) == 1, hosts
+
+
+def picked_replicas(fleet: Fleet, prompt: str) -> tuple[str, list[str]]:
+    """(the replica that served a keyed call, the replicas the picker named for it)."""
+    reply = httpx.post(
+        f"{fleet.base_url}/v2/completions", json=body(prompt=prompt, max_tokens=1), timeout=120
+    )
+    assert reply.status_code == 200, reply.text[:300]
+    picked = reply.headers.get("x-replica-picked", "")
+    return reply.headers[HOST_HEADER], picked.split(",") if picked else []
+
+
+def wait_for_picks(fleet: Fleet, timeout: float = 30) -> None:
+    """Until the picker names both replicas (it checks their health first)."""
+    deadline = time.monotonic() + timeout
+    while len(picked_replicas(fleet, shared_prefix("first pick"))[1]) < 2:
+        assert time.monotonic() < deadline, "the picker never named both replicas"
+        time.sleep(0.5)
+
+
+def test_envoys_sharing_one_picker_keep_each_prefix_on_one_replica(fleet: Fleet) -> None:
+    port = free_port()
+    targets = [replica.grpc_target for replica in fleet.replicas]
+    with (
+        shared_picker(port, targets) as picker,
+        facade(fleet.replicas, "--picker", f"127.0.0.1:{port}") as first,
+        facade(fleet.replicas, "--picker", f"127.0.0.1:{port}") as second,
+    ):
+        fronts = [first, second]
+        wait_for_picks(first)
+        prefixes = [shared_prefix(f"shared picker {i}") for i in range(3)]
+        served: dict[int, list[str]] = {i: [] for i in range(3)}
+        # Each Envoy meets the prefixes in another order: two pickers of their own would deal
+        # them out apart (the first prefix to a replica through one Envoy, to the other
+        # through the other), one shared picker deals each once.
+        for turn in range(2):
+            for i, prefix in enumerate(prefixes):
+                host, picked = picked_replicas(fronts[(i + turn) % 2], f"{prefix} Turn {turn}?")
+                assert picked and picked[0] == host, (host, picked)
+                served[i].append(host)
+        assert all(len(set(hosts)) == 1 for hosts in served.values()), served
+        assert {hosts[0] for hosts in served.values()} == set(targets), served
+        assert all(lua_errors(front.admin_url) == 0 for front in fronts)
+
+        picker.kill()  # both Envoys fail open to hashing the key, which they hash alike
+        picker.wait(timeout=30)
+        prefix = shared_prefix("shared picker gone")
+        hosts = {
+            rest_call(fronts[i % 2], prompt=f"{prefix} Q{i}?", max_tokens=1)[0] for i in range(4)
+        }
         assert len(hosts) == 1, hosts
 
 

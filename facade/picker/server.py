@@ -1,8 +1,13 @@
-"""The picker's process: Envoy's external processor (ext_proc) on a Unix socket, answering each
-keyed completion's request headers (with its prompt's path) with the replicas to try, and a loop
-reading Envoy's view of the replicas from its admin interface.
+"""The picker's process: Envoy's external processor (ext_proc), answering each keyed
+completion's request headers (with its prompt's path) with the replicas to try, and a loop
+following the replicas' health.
 
-Usage: python -m facade.picker.server --socket PATH --admin-url URL [--balance-factor N]
+Beside one Envoy (facade.launch starts it so), on a Unix socket, following that Envoy's view
+from its admin interface:
+    python -m facade.picker.server --socket PATH --admin-url URL [--balance-factor N]
+Shared by several Envoys (each started with --picker HOST:PORT), on a TCP port, checking the
+replicas' health itself; give it the same --upstream or --pool as the Envoys:
+    python -m facade.picker.server --listen HOST:PORT --upstream HOST:PORT ... [--balance-factor N]
 """
 
 from __future__ import annotations
@@ -11,17 +16,28 @@ import argparse
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 
-from facade.balancing import PATH_HEADER
+from facade.addresses import parse_address
+from facade.balancing import PATH_HEADER, PrefixAffinity
+from facade.options import (
+    add_replica_address_options,
+    add_upstream_tls_options,
+    balance_factor,
+    fleet_from,
+    upstream_tls_from,
+)
 from facade.picker import CLUSTER_METADATA, REPLICA_HEADER
-from facade.picker.fleet import FleetView, read_clusters
+from facade.picker.fleet import Clusters, FleetView, read_clusters
+from facade.picker.health import CHECK_EVERY_SECONDS, ReplicaChecks
 from facade.picker.policy import CacheAwarePolicy, PromptPath
+from facade.render import keyed_clusters
+from service.options import add_option
 
 READ_EVERY_SECONDS = 0.25  # health changes at Envoy's 2 s health checks
 REPORT_EVERY_SECONDS = 60
@@ -97,49 +113,121 @@ def report(policy: CacheAwarePolicy) -> None:
         policy.decisions.clear()
 
 
-async def follow_envoy(admin_url: str, fleet: FleetView, policy: CacheAwarePolicy) -> None:
+# A new reading of the replicas' health: from Envoy's admin, or from the picker's own checks;
+# None while there is none (the previous view stands).
+ReadHealth = Callable[[], Awaitable[Clusters | None]]
+
+
+def envoy_admin(admin_url: str) -> ReadHealth:
+    """Health as the Envoy beside the picker sees it."""
+
+    async def read() -> Clusters | None:
+        try:
+            return await asyncio.to_thread(read_clusters, admin_url, 1.0)
+        except OSError:
+            return None  # Envoy starting or stopping
+
+    return read
+
+
+async def follow(
+    read: ReadHealth, every: float, fleet: FleetView, policy: CacheAwarePolicy
+) -> None:
     """Keeps the fleet's view current; a replica that stops being healthy is forgotten."""
     next_report = time.monotonic() + REPORT_EVERY_SECONDS
     while True:
         if time.monotonic() >= next_report:
             report(policy)
             next_report += REPORT_EVERY_SECONDS
-        try:
-            clusters = await asyncio.to_thread(read_clusters, admin_url, 1.0)
-        except OSError:
-            pass  # Envoy starting or stopping; the previous view stands
-        else:
+        clusters = await read()
+        if clusters is not None:
             for cluster, host in fleet.update(clusters):
                 policy.forget_replica(cluster, host)
                 logger.info("replica %s of %s is not healthy; its keys go elsewhere", host, cluster)
-        await asyncio.sleep(READ_EVERY_SECONDS)
+        await asyncio.sleep(every)
 
 
-async def serve(socket_path: str, admin_url: str, balance_factor: int) -> None:
+async def serve(bind: str, read: ReadHealth, every: float, balance_factor: int) -> None:
+    """Answers Envoy on `bind` (unix:PATH or HOST:PORT) while following the replicas' health."""
     policy = CacheAwarePolicy(balance_factor)
     fleet = FleetView()
     server = grpc.aio.server()
     ext_proc_grpc.add_ExternalProcessorServicer_to_server(ReplicaPicker(policy, fleet), server)
-    server.add_insecure_port(f"unix:{socket_path}")
+    if server.add_insecure_port(bind) == 0:
+        raise SystemExit(f"envoy picker: cannot listen on {bind}; is it in use?")
     await server.start()
-    logger.info("replica picker on %s, following %s", socket_path, admin_url)
-    follower = asyncio.create_task(follow_envoy(admin_url, fleet, policy))
+    follower = asyncio.create_task(follow(read, every, fleet, policy))
     try:
         await server.wait_for_termination()
     finally:
         follower.cancel()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--socket", required=True, help="the Unix socket Envoy calls")
-    parser.add_argument(
-        "--admin-url", required=True, help="Envoy's admin, e.g. http://127.0.0.1:9901"
+async def serve_beside_envoy(args: argparse.Namespace) -> None:
+    logger.info("replica picker on %s, following %s", args.socket, args.admin_url)
+    await serve(
+        f"unix:{args.socket}", envoy_admin(args.admin_url), READ_EVERY_SECONDS, args.balance_factor
     )
-    parser.add_argument("--balance-factor", type=int, default=125)
+
+
+async def serve_shared(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    fleet = fleet_from(args, parser)
+    checks = ReplicaChecks(
+        keyed_clusters(fleet.upstreams, fleet.pools), upstream_tls_from(args, parser)
+    )
+    host, port = args.listen
+    logger.info(
+        "replica picker on %s:%d for any Envoy of %s, checking their health itself",
+        host,
+        port,
+        ", ".join(f"{cluster} {list(addresses)}" for cluster, addresses in checks.pools.items()),
+    )
+    try:
+        await serve(f"{host}:{port}", checks.read, CHECK_EVERY_SECONDS, args.balance_factor)
+    finally:
+        await checks.close()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m facade.picker.server",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--socket", help="beside one Envoy: the Unix socket it calls")
+    where.add_argument(
+        "--listen",
+        type=parse_address,
+        help="shared by several Envoys (each started with --picker): the HOST:PORT they call",
+    )
+    parser.add_argument(
+        "--admin-url", help="with --socket: that Envoy's admin, e.g. http://127.0.0.1:9901"
+    )
+    add_replica_address_options(parser)
+    add_upstream_tls_options(parser)
+    add_option(
+        parser,
+        "--balance-factor",
+        "BALANCE_FACTOR",
+        PrefixAffinity().balance_factor,
+        "a replica takes a prefix's requests while its requests in flight are within this "
+        "percentage of the pool's average (the Envoys' --balance-factor)",
+        balance_factor,
+    )
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="envoy picker: %(message)s")
-    asyncio.run(serve(args.socket, args.admin_url, args.balance_factor))
+    if args.socket is not None:
+        if args.admin_url is None:
+            parser.error("--socket needs --admin-url: the picker follows that Envoy's view")
+        asyncio.run(serve_beside_envoy(args))
+    else:
+        asyncio.run(serve_shared(args, parser))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,104 @@
+"""The replicas' health as a picker shared by several Envoys sees it. No one Envoy's admin speaks
+for the others, so the picker checks the replicas itself, the way envoy.yaml has Envoy check
+them: each pool's addresses resolved as Envoy resolves them (IPv4 first, every address of a
+name), each replica asked grpc.health.v1 at the same pace, taken out at once by a NOT_SERVING
+answer or after two checks without one, back in at the first SERVING."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from facade.addresses import Address, resolve
+from facade.picker.fleet import Clusters, Replica
+from facade.tls import UpstreamTls
+
+# envoy.yaml's health checks: every 2 s, 1 s to answer, out after 2 checks without an answer.
+CHECK_EVERY_SECONDS = 2.0
+CHECK_TIMEOUT_SECONDS = 1.0
+UNANSWERED_LIMIT = 2
+# Envoy re-resolves a name every 5 s (its dns_refresh_rate default).
+RESOLVE_EVERY_SECONDS = 5.0
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+@dataclass
+class ReplicaChecks:
+    """Every pool's replicas (cluster -> configured addresses), resolved and checked."""
+
+    pools: Mapping[str, Sequence[Address]]
+    tls: UpstreamTls | None = None
+    hosts: dict[str, dict[str, str]] = field(default_factory=dict)  # cluster -> host -> name
+    healthy: dict[str, bool] = field(default_factory=dict)  # host -> its last verdict
+    unanswered: Counter[str] = field(default_factory=Counter)
+    channels: dict[str, grpc.aio.Channel] = field(default_factory=dict)
+    next_resolve: float = 0.0
+
+    async def read(self) -> Clusters:
+        """Each cluster's replicas with their health now: names resolved again when due, then
+        every replica checked once."""
+        if time.monotonic() >= self.next_resolve:
+            await self.resolve()
+            self.next_resolve = time.monotonic() + RESOLVE_EVERY_SECONDS
+        return await self.check_all()
+
+    async def resolve(self) -> None:
+        """Each cluster's replicas now; a replica no longer resolved is dropped."""
+        for cluster, addresses in self.pools.items():
+            found: dict[str, str] = {}
+            for address in addresses:
+                for host in await asyncio.to_thread(resolve, address):
+                    found[host] = address[0]
+            if found or cluster not in self.hosts:  # a failed lookup keeps the last answer
+                self.hosts[cluster] = found
+        current = {host for hosts in self.hosts.values() for host in hosts}
+        for host in set(self.channels) - current:
+            await self.channels.pop(host).close()
+            self.healthy.pop(host, None)
+            self.unanswered.pop(host, None)
+
+    def channel(self, host: str, name: str) -> grpc.aio.Channel:
+        if host not in self.channels:
+            if self.tls is None:
+                self.channels[host] = grpc.aio.insecure_channel(host)
+            else:  # the certificate names the configured host, not the address it resolved to
+                self.channels[host] = grpc.aio.secure_channel(
+                    host,
+                    self.tls.channel_credentials(),
+                    options=[("grpc.ssl_target_name_override", name)],
+                )
+        return self.channels[host]
+
+    async def check(self, host: str, name: str) -> None:
+        stub = health_pb2_grpc.HealthStub(self.channel(host, name))
+        try:
+            answer = await stub.Check(
+                health_pb2.HealthCheckRequest(), timeout=CHECK_TIMEOUT_SECONDS
+            )
+        except grpc.RpcError:
+            self.unanswered[host] += 1
+            if self.unanswered[host] >= UNANSWERED_LIMIT:
+                self.healthy[host] = False
+            return
+        self.unanswered[host] = 0
+        self.healthy[host] = answer.status == SERVING
+
+    async def check_all(self) -> Clusters:
+        """Every replica checked once; each cluster's replicas with their health."""
+        names = {host: name for hosts in self.hosts.values() for host, name in hosts.items()}
+        await asyncio.gather(*(self.check(host, name) for host, name in names.items()))
+        return {
+            cluster: {host: Replica(self.healthy.get(host, False)) for host in hosts}
+            for cluster, hosts in self.hosts.items()
+        }
+
+    async def close(self) -> None:
+        for channel in self.channels.values():
+            await channel.close()
+        self.channels.clear()
