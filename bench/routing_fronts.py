@@ -2,9 +2,10 @@
 two replicas, KV cache and workloads, with each policy's requests spread over two Envoys in
 front of the same replicas (request i to Envoy i mod 2, as a Service spreads its clients), and
 one Envoy with the replica picker beside them for reference. Each Envoy started as
-facade.launch starts it, so each `prefix` Envoy has a picker of its own. Reported per workload
-and front: TTFT, throughput, hit rate beside the best possible, shares; medians over rounds.
-Results in bench/results/routing-fronts.{json,md}.
+facade.launch starts it, so each `prefix` Envoy has a picker of its own; two more `prefix`
+Envoys share one picker (`--picker`, as deploy/ runs them). Reported per workload and front:
+TTFT, throughput, hit rate beside the best possible, shares; medians over rounds. Results in
+bench/results/routing-fronts.{json,md}.
 
 Usage: python -m bench.routing_fronts [--rounds N] [--out DIR]
 """
@@ -12,6 +13,7 @@ Usage: python -m bench.routing_fronts [--rounds N] [--out DIR]
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict
 
 from bench.routing import (
@@ -25,27 +27,32 @@ from bench.routing import (
     run_rounds,
     summary,
 )
+from facade.picker.health import CHECK_EVERY_SECONDS
+from tests.processes import free_port, shared_picker
 
 ENVOYS_PER_FRONT = 2
 ONE_PICKER = "prefix, one Envoy"
+SHARED = "prefix shared"
+SHARED_PICKER = "prefix, two Envoys, one picker"
 
 
-def envoys() -> dict[str, list[str]]:
-    """Two Envoys for each policy, named `policy #n`, with facade.launch's defaults."""
-    return {
-        f"{policy} #{n}": ["--balance", policy]
-        for policy in POLICIES
-        for n in range(1, ENVOYS_PER_FRONT + 1)
-    }
+def envoys(picker_port: int) -> dict[str, list[str]]:
+    """Two Envoys for each policy, named `policy #n`, with facade.launch's defaults, and two
+    asking the picker on `picker_port`."""
+    numbers = range(1, ENVOYS_PER_FRONT + 1)
+    own = {f"{policy} #{n}": ["--balance", policy] for policy in POLICIES for n in numbers}
+    shared = ["--balance", "prefix", "--picker", f"127.0.0.1:{picker_port}"]
+    return {**own, **{f"{SHARED} #{n}": shared for n in numbers}}
 
 
 def fronts() -> dict[str, list[str]]:
-    """What each measured front sends requests to: a policy's two Envoys, or one picker's."""
+    """What each measured front sends requests to: two Envoys, or one picker's."""
     two = {
         f"{policy}, two Envoys": [f"{policy} #{n}" for n in range(1, ENVOYS_PER_FRONT + 1)]
         for policy in POLICIES
     }
-    return {**two, ONE_PICKER: ["prefix #1"]}
+    shared = [f"{SHARED} #{n}" for n in range(1, ENVOYS_PER_FRONT + 1)]
+    return {**two, SHARED_PICKER: shared, ONE_PICKER: ["prefix #1"]}
 
 
 def markdown(table: dict[str, dict[str, dict]], rounds: int) -> str:
@@ -62,7 +69,16 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     model_dir, tokenizer, logs = prepared("bench-routing-fronts")
     measured = fronts()
-    with fleet_running(model_dir, logs, envoys(), KV_CACHE_GIB) as fleet:
+    picker_port = free_port()
+    with (
+        fleet_running(model_dir, logs, envoys(picker_port), KV_CACHE_GIB) as fleet,
+        shared_picker(
+            picker_port,
+            [replica.grpc_target for replica in fleet.replicas],
+            logs / "shared-picker.log",
+        ),
+    ):
+        time.sleep(CHECK_EVERY_SECONDS)  # the picker's first health checks
         results = run_rounds(
             fleet, WORKLOADS, list(measured), args.rounds, tokenizer, fronts=measured
         )

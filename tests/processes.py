@@ -56,14 +56,15 @@ def healthy_upstreams(admin_url: str, cluster: str) -> set[str]:
 
 @contextlib.contextmanager
 def shared_picker(
-    port: int, upstreams: list[str], timeout: float = 30
+    port: int, upstreams: list[str], log: Path | None = None, timeout: float = 30
 ) -> Iterator[subprocess.Popen[bytes]]:
     """A replica picker for several Envoys (each started with --picker 127.0.0.1:PORT),
-    checking the replicas' health itself, once it accepts calls."""
+    checking the replicas' health itself, once it accepts calls; its output to `log` if given."""
     command = [sys.executable, "-m", "facade.picker.server", "--listen", f"127.0.0.1:{port}"]
     for upstream in upstreams:
         command += ["--upstream", upstream]
-    picker = subprocess.Popen(command)
+    output = log.open("ab") if log else None
+    picker = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT if log else None)
     try:
         deadline = time.monotonic() + timeout
         while True:
@@ -76,6 +77,8 @@ def shared_picker(
     finally:
         picker.terminate()
         picker.wait(timeout=30)
+        if output:
+            output.close()
 
 
 @dataclass
