@@ -26,6 +26,13 @@ UNANSWERED_LIMIT = 2
 # Envoy re-resolves a name every 5 s (its dns_refresh_rate default).
 RESOLVE_EVERY_SECONDS = 5.0
 SERVING = health_pb2.HealthCheckResponse.SERVING
+# A channel to a replica that went away retries its connection at most this often (gRPC's
+# default backs off to 2 minutes), and each check waits up to its timeout for it: a replica
+# back from a restart is in at the first check after it answers, as Envoy's checks find it.
+RECONNECT = [
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", int(CHECK_TIMEOUT_SECONDS * 1000)),
+]
 
 
 @dataclass
@@ -66,12 +73,12 @@ class ReplicaChecks:
     def channel(self, host: str, name: str) -> grpc.aio.Channel:
         if host not in self.channels:
             if self.tls is None:
-                self.channels[host] = grpc.aio.insecure_channel(host)
+                self.channels[host] = grpc.aio.insecure_channel(host, RECONNECT)
             else:  # the certificate names the configured host, not the address it resolved to
                 self.channels[host] = grpc.aio.secure_channel(
                     host,
                     self.tls.channel_credentials(),
-                    options=[("grpc.ssl_target_name_override", name)],
+                    options=[*RECONNECT, ("grpc.ssl_target_name_override", name)],
                 )
         return self.channels[host]
 
@@ -79,7 +86,7 @@ class ReplicaChecks:
         stub = health_pb2_grpc.HealthStub(self.channel(host, name))
         try:
             answer = await stub.Check(
-                health_pb2.HealthCheckRequest(), timeout=CHECK_TIMEOUT_SECONDS
+                health_pb2.HealthCheckRequest(), timeout=CHECK_TIMEOUT_SECONDS, wait_for_ready=True
             )
         except grpc.RpcError:
             self.unanswered[host] += 1

@@ -80,6 +80,58 @@ def test_envoy_asks_the_picker_after_the_key_is_set_and_fails_open() -> None:
     assert socket["lb_endpoints"][0]["endpoint"]["address"] == {"pipe": {"path": str(SOCKET)}}
     # The picker is no replica: no twin, and TLS to replicas does not apply to it.
     assert "replica_picker" not in {c["name"] for c in envoy_config.replica_clusters(config)}
+    # It needs the prompt's path alone: callers' credentials never reach it.
+    allowed = picker["forward_rules"]["allowed_headers"]["patterns"]
+    assert allowed == [{"exact": balancing.PATH_HEADER}]
+
+
+@pytest.mark.parametrize(
+    ("address", "kind"),
+    [(("127.0.0.1", 50061), "STATIC"), (("llm-completions-picker", 50061), "STRICT_DNS")],
+)
+def test_a_shared_picker_is_reached_at_its_address(address: tuple[str, int], kind: str) -> None:
+    config = render.render_config(8080, 9901, [("127.0.0.1", 1), ("127.0.0.1", 2)])
+    render.configure_routing(config, [], "", AFFINITY, address)
+    picker = clusters(config)["replica_picker"]
+    assert picker["type"] == kind
+    (endpoint,) = picker["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    host, port = address
+    assert endpoint["endpoint"]["address"] == {
+        "socket_address": {"address": host, "port_value": port}
+    }
+
+
+@pytest.mark.parametrize(
+    "pools",
+    [
+        [],
+        [Pool("a", (("10.0.0.1", 1), ("10.0.0.2", 1)), ("a",)), Pool("b", (("b.svc", 2),), ("b",))],
+    ],
+)
+def test_a_shared_picker_knows_the_clusters_envoy_asks_it_about(pools: list[Pool]) -> None:
+    upstreams = [("127.0.0.1", 1), ("127.0.0.1", 2)]
+    config = render.render_config(8080, 9901, upstreams)
+    render.configure_routing(config, pools, "", AFFINITY, ("127.0.0.1", 50061))
+    asked = {
+        route["route"]["cluster"]: route["route"]["cluster"]
+        for route in envoy_config.routes(config)
+        if route.get("route", {}).get("cluster", "").endswith(balancing.TWIN_SUFFIX)
+    }
+    keyed = render.keyed_clusters(upstreams, pools)
+    assert set(keyed) == set(asked)
+    for cluster in envoy_config.replica_clusters(config):
+        if cluster["name"] in keyed:
+            endpoints = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+            addresses = [e["endpoint"]["address"]["socket_address"] for e in endpoints]
+            expected = keyed[cluster["name"]]
+            assert [(a["address"], a["port_value"]) for a in addresses] == list(expected)
+
+
+def test_replicas_by_name_are_resolved_ipv4_first_as_the_picker_resolves_them() -> None:
+    config = render.render_config(8080, 9901, [("replicas.svc", 50051)])
+    (cluster,) = envoy_config.replica_clusters(config)
+    assert cluster["type"] == "STRICT_DNS"
+    assert cluster["dns_lookup_family"] == "V4_PREFERRED"
 
 
 def test_only_keyed_routes_ask_the_picker_and_name_their_cluster() -> None:

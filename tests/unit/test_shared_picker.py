@@ -1,0 +1,180 @@
+"""A replica picker shared by several Envoys: it resolves the replicas' addresses as Envoy
+does and checks their health itself, against real gRPC health services in this process: a
+replica is in at its first SERVING answer, out at once on NOT_SERVING, out after two checks
+without an answer, and back when it answers again."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from facade.addresses import host_name, parse_address, resolve
+from facade.picker.fleet import Clusters
+from facade.picker.health import UNANSWERED_LIMIT, ReplicaChecks
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+CLUSTER = "completion_service_prefix"
+
+
+def test_an_ip_stands_for_itself_and_a_name_for_what_it_resolves_to() -> None:
+    assert resolve(("10.1.2.3", 50051)) == ["10.1.2.3:50051"]
+    assert resolve(("::1", 50051)) == ["[::1]:50051"]
+    assert resolve(("localhost", 50051)) == ["127.0.0.1:50051"]  # IPv4 first, as Envoy's
+    assert resolve(("no-such-replica.invalid", 50051)) == []
+    assert host_name("fe80::1", 1) == "[fe80::1]:1"
+
+
+class Replica:
+    """A gRPC health service on a port of loopback, as a replica serves it."""
+
+    def __init__(self) -> None:
+        self.servicer = health.aio.HealthServicer()
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+
+    async def start(self, status: int = SERVING) -> None:
+        self.server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(self.servicer, self.server)
+        self.port = self.server.add_insecure_port(f"127.0.0.1:{self.port}")
+        await self.server.start()
+        await self.servicer.set("", status)
+
+    async def stop(self) -> None:
+        assert self.server is not None
+        await self.server.stop(grace=None)
+
+    @property
+    def host(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+@contextlib.asynccontextmanager
+async def running_replicas() -> AsyncIterator[list[Replica]]:
+    started = [Replica(), Replica()]
+    for replica in started:
+        await replica.start()
+    try:
+        yield started
+    finally:
+        for replica in started:
+            await replica.stop()
+
+
+@contextlib.asynccontextmanager
+async def checking(replicas: list[Replica]) -> AsyncIterator[ReplicaChecks]:
+    checks = ReplicaChecks({CLUSTER: [("127.0.0.1", r.port) for r in replicas]})
+    try:
+        yield checks
+    finally:
+        await checks.close()
+
+
+def healthy(view: Clusters, host: str) -> bool:
+    return view[CLUSTER][host].healthy
+
+
+def test_replicas_are_in_while_serving_and_out_on_not_serving() -> None:
+    asyncio.run(in_while_serving_out_on_not_serving())
+
+
+async def in_while_serving_out_on_not_serving() -> None:
+    async with running_replicas() as replicas, checking(replicas) as checks:
+        view = await checks.read()
+        assert set(view[CLUSTER]) == {r.host for r in replicas}
+        assert all(healthy(view, r.host) for r in replicas)
+        await replicas[0].servicer.set("", NOT_SERVING)  # a replica draining
+        view = await checks.check_all()
+        assert not healthy(view, replicas[0].host)
+        assert healthy(view, replicas[1].host)
+        await replicas[0].servicer.set("", SERVING)
+        assert healthy(await checks.check_all(), replicas[0].host)
+
+
+def test_a_replica_that_stops_answering_is_out_after_two_checks_and_back_when_it_answers() -> None:
+    asyncio.run(out_after_two_unanswered_checks())
+
+
+async def out_after_two_unanswered_checks() -> None:
+    async with running_replicas() as replicas, checking(replicas) as checks:
+        gone = replicas[0]
+        await checks.read()
+        await gone.stop()
+        for check in range(1, UNANSWERED_LIMIT + 1):
+            view = await checks.check_all()
+            # One check without an answer (a busy replica) keeps it; the limit takes it out.
+            assert healthy(view, gone.host) is (check < UNANSWERED_LIMIT)
+        assert healthy(view, replicas[1].host)
+        await gone.start()  # restarted on the same port
+        assert healthy(await checks.check_all(), gone.host)
+
+
+def test_a_replica_not_yet_answering_is_not_healthy() -> None:
+    asyncio.run(not_yet_answering())
+
+
+async def not_yet_answering() -> None:
+    checks = ReplicaChecks({CLUSTER: [("127.0.0.1", 9)]})  # nothing listens on port 9
+    try:
+        view = await checks.read()
+        assert view == {CLUSTER: {"127.0.0.1:9": view[CLUSTER]["127.0.0.1:9"]}}
+        assert not healthy(view, "127.0.0.1:9")
+    finally:
+        await checks.close()
+
+
+def test_a_name_that_stops_resolving_keeps_its_last_replicas() -> None:
+    asyncio.run(stops_resolving())
+
+
+async def stops_resolving() -> None:
+    checks = ReplicaChecks({CLUSTER: [("localhost", 9)]})
+    try:
+        await checks.resolve()
+        assert set(checks.hosts[CLUSTER]) == {"127.0.0.1:9"}
+        checks.pools = {CLUSTER: [("no-such-replica.invalid", 9)]}
+        await checks.resolve()  # a failed lookup: DNS down for a moment
+        assert set(checks.hosts[CLUSTER]) == {"127.0.0.1:9"}
+    finally:
+        await checks.close()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--socket", "/tmp/p.sock"], "--socket needs --admin-url"),
+        (["--listen", "nowhere"], "expected HOST:PORT"),
+        (["--socket", "/tmp/p.sock", "--listen", "127.0.0.1:1"], "not allowed with"),
+        ([], "one of the arguments --socket --listen is required"),
+    ],
+)
+def test_the_picker_refuses_an_incomplete_command_line(argv: list[str], message: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "facade.picker.server", *argv], capture_output=True, text=True
+    )
+    assert result.returncode == 2
+    assert message in result.stderr
+
+
+def test_launch_refuses_a_shared_picker_without_prefix_balancing() -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            *("-m", "facade.launch", "--balance", "least-request", "--picker", "127.0.0.1:1"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2
+    assert "--picker is the picker of --balance prefix" in result.stderr
+
+
+def test_picker_addresses_parse_as_replica_addresses() -> None:
+    assert parse_address("llm-completions-picker:50061") == ("llm-completions-picker", 50061)
