@@ -126,14 +126,15 @@ def test_envoy_points_at_the_headless_service_and_listens_where_envoy_yaml_says(
     deployment = find("Deployment", "llm-completions-envoy")
     spec = container(deployment)
     assert spec["command"] == ["python", "-m", "facade.launch"]
-    flags = dict(arg.removeprefix("--").split("=", 1) for arg in spec["args"])
-    host, port = parse_address(flags["upstream"])
+    envoy_flags = flags("llm-completions-envoy")
+    host, port = parse_address(envoy_flags["upstream"])
     assert host.split(".")[0] == "llm-completions-headless"
     assert port == find("Service", "llm-completions-headless")["spec"]["ports"][0]["port"]
     template = yaml.safe_load(ENVOY_TEMPLATE.read_text())
     listener_port = template["static_resources"]["listeners"][0]["address"]["socket_address"]
-    assert int(flags["http-port"]) == listener_port["port_value"]
-    assert {p["name"]: p["containerPort"] for p in spec["ports"]}["http"] == int(flags["http-port"])
+    assert int(envoy_flags["http-port"]) == listener_port["port_value"]
+    http_port = int(envoy_flags["http-port"])
+    assert {p["name"]: p["containerPort"] for p in spec["ports"]}["http"] == http_port
     front = find("Service", "llm-completions")
     assert (
         front["spec"]["selector"].items()
@@ -152,9 +153,13 @@ def test_a_hostname_upstream_is_resolved_with_dns(upstream: str) -> None:
     assert config["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
 
 
-def patched(directory: Path, kind: str) -> list[dict[str, Any]]:
-    """The JSON patch operations a kustomization applies to its `kind`."""
-    (patch,) = [p for p in kustomization(directory)["patches"] if p["target"]["kind"] == kind]
+def patched(directory: Path, kind: str, name: str | None = None) -> list[dict[str, Any]]:
+    """The JSON patch operations a kustomization applies to its `kind` (named `name`)."""
+    (patch,) = [
+        p
+        for p in kustomization(directory)["patches"]
+        if p["target"]["kind"] == kind and name in (None, p["target"].get("name"))
+    ]
     return yaml.safe_load(patch["patch"])
 
 
@@ -179,13 +184,38 @@ def test_two_models_are_two_pools_behind_one_envoy() -> None:
         name = values[env_path.format(env_index("SERVED_MODEL_NAME"))]
         assert name["name"] == "SERVED_MODEL_NAME"
         served[name["value"]] = f"llm-completions-headless{settings['nameSuffix']}"
-    envoy_args = container(find("Deployment", "llm-completions-envoy"))["args"]
-    operations = patched(TWO_MODELS, "Deployment")
-    replaced = operations[0]["path"].rsplit("/", 1)[1]
-    assert envoy_args[int(replaced)].startswith("--upstream=")  # one pool becomes several
-    pools = [op["value"].removeprefix("--pool=") for op in operations if "args" in op["path"]]
     grpc_port = service_defaults().port
-    assert {name: parse_address(address) for name, address in (p.split("=") for p in pools)} == {
-        name: (f"{service}.default.svc.cluster.local", grpc_port)
-        for name, service in served.items()
-    }
+    # Envoy and the picker it asks, alike.
+    for deployment in ("llm-completions-envoy", "llm-completions-picker"):
+        args = container(find("Deployment", deployment))["args"]
+        operations = patched(TWO_MODELS, "Deployment", deployment)
+        replaced = operations[0]["path"].rsplit("/", 1)[1]
+        assert args[int(replaced)].startswith("--upstream="), deployment  # one pool: several
+        pools = [op["value"].removeprefix("--pool=") for op in operations if "args" in op["path"]]
+        assert {n: parse_address(address) for n, address in (p.split("=") for p in pools)} == {
+            name: (f"{service}.default.svc.cluster.local", grpc_port)
+            for name, service in served.items()
+        }, deployment
+
+
+def flags(deployment: str) -> dict[str, str]:
+    spec = container(find("Deployment", deployment))
+    return dict(arg.removeprefix("--").split("=", 1) for arg in spec["args"])
+
+
+def test_both_envoys_ask_one_picker_that_checks_the_same_replicas() -> None:
+    picker = find("Deployment", "llm-completions-picker")
+    spec = container(picker)
+    assert spec["command"] == ["python", "-m", "facade.picker.server"]
+    assert flags("llm-completions-picker")["upstream"] == flags("llm-completions-envoy")["upstream"]
+    listen_host, listen_port = parse_address(flags("llm-completions-picker")["listen"])
+    assert listen_host == "0.0.0.0"
+    assert {p["name"]: p["containerPort"] for p in spec["ports"]}["picker"] == listen_port
+    service = find("Service", "llm-completions-picker")
+    labels = picker["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    (port,) = service["spec"]["ports"]
+    host, asked_port = parse_address(flags("llm-completions-envoy")["picker"])
+    assert host.split(".")[0] == "llm-completions-picker"
+    assert asked_port == port["port"]
+    assert port["targetPort"] == "picker"

@@ -139,7 +139,11 @@ async def follow(
         if time.monotonic() >= next_report:
             report(policy)
             next_report += REPORT_EVERY_SECONDS
-        clusters = await read()
+        try:
+            clusters = await read()
+        except Exception:  # a view that stopped updating would keep routing to dead replicas
+            logger.exception("reading the replicas' health failed; trying again")
+            clusters = None
         if clusters is not None:
             for cluster, host in fleet.update(clusters):
                 policy.forget_replica(cluster, host)

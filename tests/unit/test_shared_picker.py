@@ -10,6 +10,7 @@ import contextlib
 import subprocess
 import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -18,6 +19,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from facade.addresses import host_name, parse_address, resolve
 from facade.picker.fleet import Clusters
 from facade.picker.health import UNANSWERED_LIMIT, ReplicaChecks
+from facade.tls import UpstreamTls
+from tests.certificates import CertificateAuthority
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -35,15 +38,20 @@ def test_an_ip_stands_for_itself_and_a_name_for_what_it_resolves_to() -> None:
 class Replica:
     """A gRPC health service on a port of loopback, as a replica serves it."""
 
-    def __init__(self) -> None:
+    def __init__(self, credentials: grpc.ServerCredentials | None = None) -> None:
         self.servicer = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port = 0
+        self.credentials = credentials
 
     async def start(self, status: int = SERVING) -> None:
         self.server = grpc.aio.server()
         health_pb2_grpc.add_HealthServicer_to_server(self.servicer, self.server)
-        self.port = self.server.add_insecure_port(f"127.0.0.1:{self.port}")
+        address = f"127.0.0.1:{self.port}"
+        if self.credentials is None:
+            self.port = self.server.add_insecure_port(address)
+        else:
+            self.port = self.server.add_secure_port(address, self.credentials)
         await self.server.start()
         await self.servicer.set("", status)
 
@@ -144,6 +152,37 @@ async def stops_resolving() -> None:
         assert set(checks.hosts[CLUSTER]) == {"127.0.0.1:9"}
     finally:
         await checks.close()
+
+
+def test_replicas_that_require_mutual_tls_are_checked_over_it(tmp_path: Path) -> None:
+    authority = CertificateAuthority(tmp_path)
+    server, client = authority.server(), authority.client()
+    credentials = grpc.ssl_server_credentials(
+        [(server.key_file.read_bytes(), server.cert_file.read_bytes())],
+        root_certificates=authority.cert_file.read_bytes(),
+        require_client_auth=True,
+    )
+    with_client = UpstreamTls(authority.cert_file, client.cert_file, client.key_file)
+    asyncio.run(
+        checked_over_tls(Replica(credentials), with_client, UpstreamTls(authority.cert_file))
+    )
+
+
+async def checked_over_tls(replica: Replica, mutual: UpstreamTls, server_only: UpstreamTls) -> None:
+    await replica.start()
+    try:
+        # By name, as a Service names replicas: the certificate names the host, not its IP.
+        for tls, expected in ((mutual, True), (server_only, False)):
+            checks = ReplicaChecks({CLUSTER: [("localhost", replica.port)]}, tls)
+            try:
+                view = await checks.read()
+                await checks.check_all()  # a refused handshake counts as no answer: twice
+                view = await checks.check_all()
+                assert healthy(view, f"127.0.0.1:{replica.port}") is expected
+            finally:
+                await checks.close()
+    finally:
+        await replica.stop()
 
 
 @pytest.mark.parametrize(
