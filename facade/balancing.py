@@ -14,7 +14,7 @@ instructions that every prompt starts with do not pull all of them onto one repl
 prefixes are dealt out evenly, and each stays where it went while that replica is within the
 load bound. The keyed cluster follows the picker's answer (override-host balancing), and falls
 back to Envoy's own consistent hashing of the key with bounded load when the picker has no
-answer.
+answer. The picker runs beside this Envoy, or is one that several Envoys share (`--picker`).
 
 `prefix-hash`: the same keys, balanced by Envoy alone (ring hash on the key with
 `hash_balance_factor`). Hashing a few keys over a few replicas is uneven (two keys land on the

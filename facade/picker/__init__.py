@@ -1,10 +1,14 @@
 """The replica picker: an external processor that Envoy asks, for each keyed completion, which
 replica of the pool should serve it (facade/balancing.py says when and why).
 
-Envoy sends the request's headers (with the prompt's path that facade/routing.lua computed) and
-the pool's cluster; the picker answers with the replicas to try, in order, in REPLICA_HEADER, and
-the cluster's override-host balancing follows it. It fails open: if the picker is down, slow or has
-no answer, Envoy balances by consistent hashing with bounded load instead.
+Envoy sends the prompt's path that facade/routing.lua computed and the pool's cluster; the picker
+answers with the replicas to try, in order, in REPLICA_HEADER, and the cluster's override-host
+balancing follows it. It fails open: if the picker is down, slow or has no answer, Envoy balances
+by consistent hashing with bounded load instead.
+
+A picker runs beside one Envoy (started by facade.launch, following that Envoy's view of the
+replicas: fleet.py), or is shared by several (facade.launch --picker), checking the replicas'
+health itself (health.py), so that a prefix has one home whichever Envoy a request reaches.
 """
 
 from __future__ import annotations

@@ -77,6 +77,7 @@ class ReplicaPicker(ext_proc_grpc.ExternalProcessorServicer):
     def __init__(self, policy: CacheAwarePolicy, fleet: FleetView) -> None:
         self.policy = policy
         self.fleet = fleet
+        self.unknown: set[str] = set()  # clusters Envoy asked about that the fleet lacks
 
     async def Process(
         self,
@@ -102,7 +103,21 @@ class ReplicaPicker(ext_proc_grpc.ExternalProcessorServicer):
                 self.fleet.ended(str(cluster), picked)
 
     def pick(self, cluster: str, path: PromptPath) -> list[str]:
+        if self.fleet.clusters and cluster not in self.fleet.clusters:
+            self.warn_unknown(cluster)
         return self.policy.choose(cluster, path, self.fleet.loads(cluster))
+
+    def warn_unknown(self, cluster: str) -> None:
+        """Once per cluster: Envoy asks about replicas this picker does not follow (a shared
+        picker given other --upstream or --pool than the Envoys); they are hashed instead."""
+        if cluster not in self.unknown:
+            self.unknown.add(cluster)
+            logger.warning(
+                "Envoy asked about %s, which this picker does not know (it knows %s); Envoy "
+                "hashes its requests instead: give the picker the Envoys' --upstream or --pool",
+                cluster,
+                ", ".join(sorted(self.fleet.clusters)),
+            )
 
 
 def report(policy: CacheAwarePolicy) -> None:

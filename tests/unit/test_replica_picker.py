@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from collections import Counter
 from collections.abc import AsyncIterator
 from unittest import mock
 
+import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 
@@ -312,6 +314,22 @@ def test_a_pick_counts_as_load_until_its_request_ends() -> None:
         assert fleet.loads("c") == {A: 0, B: 0}
 
     asyncio.run(scenario())
+
+
+def test_a_cluster_the_picker_does_not_know_is_left_to_envoy_with_one_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fleet = FleetView()
+    fleet.update({"c": {A: Replica(True), B: Replica(True)}})
+    picker = ReplicaPicker(CacheAwarePolicy(balance_factor=125), fleet)
+    path = PromptPath(64, 50, ("k",))
+    with caplog.at_level(logging.WARNING, logger="facade.picker"):
+        assert picker.pick("other_prefix", path) == []
+        assert picker.pick("other_prefix", path) == []
+    (warning,) = caplog.records
+    assert "other_prefix" in warning.getMessage()
+    assert "--upstream or --pool" in warning.getMessage()
+    assert picker.pick("c", path)[0] in (A, B)
 
 
 def test_a_picker_that_ran_steadily_is_restarted_at_once() -> None:
