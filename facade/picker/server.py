@@ -195,11 +195,12 @@ async def serve_shared(args: argparse.Namespace, parser: argparse.ArgumentParser
         keyed_clusters(fleet.upstreams, fleet.pools), upstream_tls_from(args, parser)
     )
     host, port = args.listen
+    pools = "; ".join(
+        f"{cluster}: {', '.join(f'{name}:{number}' for name, number in addresses)}"
+        for cluster, addresses in checks.pools.items()
+    )
     logger.info(
-        "replica picker on %s:%d for any Envoy of %s, checking their health itself",
-        host,
-        port,
-        ", ".join(f"{cluster} {list(addresses)}" for cluster, addresses in checks.pools.items()),
+        "replica picker on %s:%d for any Envoy, checking the replicas of %s", host, port, pools
     )
     try:
         await serve(f"{host}:{port}", checks.read, CHECK_EVERY_SECONDS, args.balance_factor)
