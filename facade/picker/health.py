@@ -7,6 +7,7 @@ answer or after two checks without one, back in at the first SERVING."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -26,6 +27,7 @@ UNANSWERED_LIMIT = 2
 # Envoy re-resolves a name every 5 s (its dns_refresh_rate default).
 RESOLVE_EVERY_SECONDS = 5.0
 SERVING = health_pb2.HealthCheckResponse.SERVING
+logger = logging.getLogger("facade.picker")
 # A channel to a replica that went away retries its connection at most this often (gRPC's
 # default backs off to 2 minutes), and each check waits up to its timeout for it: a replica
 # back from a restart is in at the first check after it answers, as Envoy's checks find it.
@@ -46,6 +48,7 @@ class ReplicaChecks:
     unanswered: Counter[str] = field(default_factory=Counter)
     channels: dict[str, grpc.aio.Channel] = field(default_factory=dict)
     next_resolve: float = 0.0
+    unresolved: set[Address] = field(default_factory=set)  # names that resolve to nothing now
 
     async def read(self) -> Clusters:
         """Each cluster's replicas with their health now: names resolved again when due, then
@@ -60,7 +63,9 @@ class ReplicaChecks:
         for cluster, addresses in self.pools.items():
             found: dict[str, str] = {}
             for address in addresses:
-                for host in await asyncio.to_thread(resolve, address):
+                hosts = await asyncio.to_thread(resolve, address)
+                self.note_resolved(address, hosts)
+                for host in hosts:
                     found[host] = address[0]
             if found or cluster not in self.hosts:  # a failed lookup keeps the last answer
                 self.hosts[cluster] = found
@@ -69,6 +74,20 @@ class ReplicaChecks:
             await self.channels.pop(host).close()
             self.healthy.pop(host, None)
             self.unanswered.pop(host, None)
+
+    def note_resolved(self, address: Address, hosts: list[str]) -> None:
+        """One line when a name stops or starts resolving."""
+        host, port = address
+        if not hosts and address not in self.unresolved:
+            self.unresolved.add(address)
+            logger.warning(
+                "%s:%d resolves to no address; Envoy hashes its pool's requests until it does",
+                host,
+                port,
+            )
+        elif hosts and address in self.unresolved:
+            self.unresolved.discard(address)
+            logger.info("%s:%d resolves to %s", host, port, ", ".join(hosts))
 
     def channel(self, host: str, name: str) -> grpc.aio.Channel:
         if host not in self.channels:

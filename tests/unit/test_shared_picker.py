@@ -1,12 +1,14 @@
 """A replica picker shared by several Envoys: it resolves the replicas' addresses as Envoy
 does and checks their health itself, against real gRPC health services in this process: a
 replica is in at its first SERVING answer, out at once on NOT_SERVING, out after two checks
-without an answer, and back when it answers again."""
+without an answer, and back when it answers again; a name that stops resolving keeps its last
+replicas, with one line in the log."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -17,6 +19,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from facade.addresses import host_name, parse_address, resolve
+from facade.picker import health as picker_health
 from facade.picker.fleet import Clusters
 from facade.picker.health import UNANSWERED_LIMIT, ReplicaChecks
 from facade.tls import UpstreamTls
@@ -138,20 +141,29 @@ async def not_yet_answering() -> None:
         await checks.close()
 
 
-def test_a_name_that_stops_resolving_keeps_its_last_replicas() -> None:
-    asyncio.run(stops_resolving())
+def test_a_name_that_stops_resolving_keeps_its_last_replicas(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # DNS answers, fails twice (a moment's outage), then answers with a new replica.
+    answers = iter([["10.0.0.1:9"], [], [], ["10.0.0.2:9"]])
+    monkeypatch.setattr(picker_health, "resolve", lambda address: next(answers))
+    checks = ReplicaChecks({CLUSTER: [("replicas.svc", 9)]})
 
+    async def lookups() -> list[set[str]]:
+        seen = []
+        for _ in range(4):
+            await checks.resolve()
+            seen.append(set(checks.hosts[CLUSTER]))
+        return seen
 
-async def stops_resolving() -> None:
-    checks = ReplicaChecks({CLUSTER: [("localhost", 9)]})
-    try:
-        await checks.resolve()
-        assert set(checks.hosts[CLUSTER]) == {"127.0.0.1:9"}
-        checks.pools = {CLUSTER: [("no-such-replica.invalid", 9)]}
-        await checks.resolve()  # a failed lookup: DNS down for a moment
-        assert set(checks.hosts[CLUSTER]) == {"127.0.0.1:9"}
-    finally:
-        await checks.close()
+    with caplog.at_level(logging.INFO, logger="facade.picker"):
+        seen = asyncio.run(lookups())
+    assert seen == [{"10.0.0.1:9"}, {"10.0.0.1:9"}, {"10.0.0.1:9"}, {"10.0.0.2:9"}]
+    # One line when it stops resolving (not one per lookup), one when it is back.
+    assert [record.getMessage() for record in caplog.records] == [
+        "replicas.svc:9 resolves to no address; Envoy hashes its pool's requests until it does",
+        "replicas.svc:9 resolves to 10.0.0.2:9",
+    ]
 
 
 def test_replicas_that_require_mutual_tls_are_checked_over_it(tmp_path: Path) -> None:
