@@ -37,7 +37,7 @@ def resolve(address: Address) -> list[str]:
     none for now."""
     host, port = address
     if is_ip_address(host):
-        return [host_name(host, port)]
+        return [host_name(str(ipaddress.ip_address(host)), port)]  # as Envoy writes it
     for family in (socket.AF_INET, socket.AF_INET6):
         try:
             found = socket.getaddrinfo(host, port, family, socket.SOCK_STREAM)

@@ -40,6 +40,7 @@ from facade.envoy_config import (
     FACADE_DIR,
     PICKER_CLUSTER,
     TRANSCODER,
+    http2_options,
     http_filters,
     replica_clusters,
     routes,
@@ -291,6 +292,7 @@ def picker_cluster(picker: PickerAddress) -> dict[str, Any]:
     }
     if not isinstance(picker, Path) and not is_ip_address(picker[0]):
         cluster["type"] = "STRICT_DNS"
+        cluster["dns_lookup_family"] = "V4_PREFERRED"  # as --listen 0.0.0.0 serves
     return cluster
 
 
@@ -327,7 +329,14 @@ def picker_filter() -> dict[str, Any]:
 def add_replica_picker(config: dict[str, Any], picker: PickerAddress) -> None:
     """Envoy asks the picker at `picker` about each keyed call, after the key is set and before
     the router."""
-    config["static_resources"]["clusters"].append(picker_cluster(picker))
+    cluster = picker_cluster(picker)
+    if not isinstance(picker, Path):
+        # Across a network, the replicas' pings: a picker that vanished without closing is
+        # noticed, rather than each keyed call waiting PICKER_TIMEOUT on a dead connection
+        # until TCP gives up.
+        keepalive = http2_options(replica_clusters(config)[0])["connection_keepalive"]
+        http2_options(cluster)["connection_keepalive"] = copy.deepcopy(keepalive)
+    config["static_resources"]["clusters"].append(cluster)
     filters = http_filters(config)
     after_key = [f["name"] for f in filters].index(ROUTING_FILTER) + 1
     filters.insert(after_key, picker_filter())

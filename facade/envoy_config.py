@@ -40,3 +40,11 @@ def replica_clusters(config: dict[str, Any]) -> list[dict[str, Any]]:
         for c in config["static_resources"]["clusters"]
         if "load_assignment" in c and c["name"] != PICKER_CLUSTER
     ]
+
+
+def http2_options(cluster: dict[str, Any]) -> dict[str, Any]:
+    """A cluster's HTTP/2 settings (replicas and the picker speak gRPC)."""
+    protocol = cluster["typed_extension_protocol_options"][
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+    ]
+    return protocol["explicit_http_config"]["http2_protocol_options"]

@@ -59,8 +59,9 @@ class CertificateAuthority:
         self.cert_file = directory / f"{common_name.replace(' ', '-')}.crt"
         self.cert_file.write_bytes(self.certificate.public_bytes(serialization.Encoding.PEM))
 
-    def issue(self, file_stem: str, common_name: str, server: bool) -> KeyPair:
-        """A certificate for a server on loopback (127.0.0.1, localhost) or a client."""
+    def issue(self, file_stem: str, common_name: str, server: bool, by_ip: bool = True) -> KeyPair:
+        """A certificate for a server on loopback (localhost, and 127.0.0.1 unless not
+        `by_ip`) or a client."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.timezone.utc)
         builder = (
@@ -83,7 +84,7 @@ class CertificateAuthority:
                 x509.SubjectAlternativeName(
                     [
                         x509.DNSName("localhost"),
-                        x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                        *([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))] if by_ip else []),
                     ]
                 ),
                 critical=False,
@@ -92,8 +93,8 @@ class CertificateAuthority:
         write_pem(path, builder.sign(self.key, hashes.SHA256()), key)
         return KeyPair(path.with_suffix(".crt"), path.with_suffix(".key"))
 
-    def server(self, file_stem: str = "server") -> KeyPair:
-        return self.issue(file_stem, "llm-completions replica", server=True)
+    def server(self, file_stem: str = "server", by_ip: bool = True) -> KeyPair:
+        return self.issue(file_stem, "llm-completions replica", server=True, by_ip=by_ip)
 
     def client(self, file_stem: str = "client") -> KeyPair:
         return self.issue(file_stem, "llm-completions caller", server=False)

@@ -205,6 +205,8 @@ def flags(deployment: str) -> dict[str, str]:
 
 def test_both_envoys_ask_one_picker_that_checks_the_same_replicas() -> None:
     picker = find("Deployment", "llm-completions-picker")
+    assert picker["spec"]["replicas"] == 1
+    assert picker["spec"]["strategy"]["type"] == "Recreate"  # never two dealing prefixes
     spec = container(picker)
     assert spec["command"] == ["python", "-m", "facade.picker.server"]
     assert flags("llm-completions-picker")["upstream"] == flags("llm-completions-envoy")["upstream"]

@@ -48,6 +48,7 @@ class ReplicaChecks:
     unanswered: Counter[str] = field(default_factory=Counter)
     channels: dict[str, grpc.aio.Channel] = field(default_factory=dict)
     next_resolve: float = 0.0
+    resolved: dict[Address, list[str]] = field(default_factory=dict)  # each name's last answer
     unresolved: set[Address] = field(default_factory=set)  # names that resolve to nothing now
 
     async def read(self) -> Clusters:
@@ -59,16 +60,20 @@ class ReplicaChecks:
         return await self.check_all()
 
     async def resolve(self) -> None:
-        """Each cluster's replicas now; a replica no longer resolved is dropped."""
-        for cluster, addresses in self.pools.items():
-            found: dict[str, str] = {}
-            for address in addresses:
-                hosts = await asyncio.to_thread(resolve, address)
-                self.note_resolved(address, hosts)
-                for host in hosts:
-                    found[host] = address[0]
-            if found or cluster not in self.hosts:  # a failed lookup keeps the last answer
-                self.hosts[cluster] = found
+        """Each cluster's replicas now. A name that fails to resolve keeps its last answer (as
+        Envoy's STRICT_DNS does); a replica no longer resolved is dropped."""
+        addresses = list(dict.fromkeys(a for pool in self.pools.values() for a in pool))
+        answers = await asyncio.gather(*(asyncio.to_thread(resolve, a) for a in addresses))
+        for address, hosts in zip(addresses, answers, strict=True):
+            self.note_resolved(address, hosts)
+            if hosts:
+                self.resolved[address] = hosts
+        self.hosts = {
+            cluster: {
+                host: address[0] for address in pool for host in self.resolved.get(address, [])
+            }
+            for cluster, pool in self.pools.items()
+        }
         current = {host for hosts in self.hosts.values() for host in hosts}
         for host in set(self.channels) - current:
             await self.channels.pop(host).close()
@@ -77,17 +82,23 @@ class ReplicaChecks:
 
     def note_resolved(self, address: Address, hosts: list[str]) -> None:
         """One line when a name stops or starts resolving."""
-        host, port = address
+        name = f"{address[0]}:{address[1]}"
         if not hosts and address not in self.unresolved:
             self.unresolved.add(address)
-            logger.warning(
-                "%s:%d resolves to no address; Envoy hashes its pool's requests until it does",
-                host,
-                port,
-            )
+            last = self.resolved.get(address)
+            if last:
+                logger.warning(
+                    "%s resolves to no address now; the picker keeps its last replicas (%s)",
+                    name,
+                    ", ".join(last),
+                )
+            else:
+                logger.warning(
+                    "%s resolves to no address yet; Envoy hashes its requests until it does", name
+                )
         elif hosts and address in self.unresolved:
             self.unresolved.discard(address)
-            logger.info("%s:%d resolves to %s", host, port, ", ".join(hosts))
+            logger.info("%s resolves to %s", name, ", ".join(hosts))
 
     def channel(self, host: str, name: str) -> grpc.aio.Channel:
         if host not in self.channels:
@@ -107,11 +118,21 @@ class ReplicaChecks:
             answer = await stub.Check(
                 health_pb2.HealthCheckRequest(), timeout=CHECK_TIMEOUT_SECONDS, wait_for_ready=True
             )
-        except grpc.RpcError:
+        except grpc.RpcError as error:
+            if self.unanswered[host] == 0:  # one line per run of failures
+                logger.warning(
+                    "health check of %s got no answer (%s: %s); out after %d in a row",
+                    host,
+                    error.code().name,
+                    error.details(),
+                    UNANSWERED_LIMIT,
+                )
             self.unanswered[host] += 1
             if self.unanswered[host] >= UNANSWERED_LIMIT:
                 self.healthy[host] = False
             return
+        if self.unanswered[host]:
+            logger.info("health check of %s answered again", host)
         self.unanswered[host] = 0
         self.healthy[host] = answer.status == SERVING
 

@@ -38,6 +38,8 @@ from facade.picker.health import CHECK_EVERY_SECONDS, ReplicaChecks
 from facade.picker.policy import CacheAwarePolicy, PromptPath
 from facade.render import keyed_clusters
 from service.options import add_option
+from service.settings import KeepaliveSettings
+from service.transport.keepalive import server_options
 
 READ_EVERY_SECONDS = 0.25  # health changes at Envoy's 2 s health checks
 REPORT_EVERY_SECONDS = 60
@@ -170,10 +172,20 @@ async def serve(bind: str, read: ReadHealth, every: float, balance_factor: int) 
     """Answers Envoy on `bind` (unix:PATH or HOST:PORT) while following the replicas' health."""
     policy = CacheAwarePolicy(balance_factor)
     fleet = FleetView()
-    server = grpc.aio.server()
+    server = grpc.aio.server(
+        options=[
+            # A second picker on the port fails instead of taking half the Envoys' calls.
+            ("grpc.so_reuseport", 0),
+            # An Envoy that vanished (a node lost) is noticed, its calls ended and their
+            # requests no longer counted as load, within the keepalive's time and timeout.
+            *server_options(KeepaliveSettings()),
+        ]
+    )
     ext_proc_grpc.add_ExternalProcessorServicer_to_server(ReplicaPicker(policy, fleet), server)
-    if server.add_insecure_port(bind) == 0:
-        raise SystemExit(f"envoy picker: cannot listen on {bind}; is it in use?")
+    try:
+        server.add_insecure_port(bind)
+    except RuntimeError as error:
+        raise SystemExit(f"envoy picker: cannot listen on {bind} (in use?): {error}") from error
     await server.start()
     follower = asyncio.create_task(follow(read, every, fleet, policy))
     try:

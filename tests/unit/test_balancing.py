@@ -99,6 +99,17 @@ def test_a_shared_picker_is_reached_at_its_address(address: tuple[str, int], kin
     assert endpoint["endpoint"]["address"] == {
         "socket_address": {"address": host, "port_value": port}
     }
+    if kind == "STRICT_DNS":  # as `--listen 0.0.0.0` serves, and as replicas resolve
+        assert picker["dns_lookup_family"] == "V4_PREFERRED"
+    # Across a network, the replicas' pings: a vanished picker is noticed, not waited on.
+    replicas = envoy_config.replica_clusters(config)[0]
+    keepalive = envoy_config.http2_options(picker)["connection_keepalive"]
+    assert keepalive == envoy_config.http2_options(replicas)["connection_keepalive"]
+
+
+def test_a_picker_beside_envoy_needs_no_pings() -> None:
+    picker = clusters(configured([], AFFINITY))["replica_picker"]
+    assert "connection_keepalive" not in envoy_config.http2_options(picker)
 
 
 @pytest.mark.parametrize(

@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from facade.picker.fleet import Clusters
 from facade.picker.health import UNANSWERED_LIMIT, ReplicaChecks
 from facade.tls import UpstreamTls
 from tests.certificates import CertificateAuthority
+from tests.processes import free_port
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -33,6 +36,7 @@ CLUSTER = "completion_service_prefix"
 def test_an_ip_stands_for_itself_and_a_name_for_what_it_resolves_to() -> None:
     assert resolve(("10.1.2.3", 50051)) == ["10.1.2.3:50051"]
     assert resolve(("::1", 50051)) == ["[::1]:50051"]
+    assert resolve(("0:0:0:0:0:0:0:1", 50051)) == ["[::1]:50051"]  # as Envoy writes it
     assert resolve(("localhost", 50051)) == ["127.0.0.1:50051"]  # IPv4 first, as Envoy's
     assert resolve(("no-such-replica.invalid", 50051)) == []
     assert host_name("fe80::1", 1) == "[fe80::1]:1"
@@ -144,10 +148,14 @@ async def not_yet_answering() -> None:
 def test_a_name_that_stops_resolving_keeps_its_last_replicas(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # DNS answers, fails twice (a moment's outage), then answers with a new replica.
-    answers = iter([["10.0.0.1:9"], [], [], ["10.0.0.2:9"]])
-    monkeypatch.setattr(picker_health, "resolve", lambda address: next(answers))
-    checks = ReplicaChecks({CLUSTER: [("replicas.svc", 9)]})
+    # One pool of two names: the first answers, fails twice (a moment's outage), then
+    # answers with a new replica; the second answers throughout.
+    answers = {
+        ("replicas.svc", 9): iter([["10.0.0.1:9"], [], [], ["10.0.0.2:9"]]),
+        ("more.svc", 9): iter([["10.0.1.1:9"]] * 4),
+    }
+    monkeypatch.setattr(picker_health, "resolve", lambda address: next(answers[address]))
+    checks = ReplicaChecks({CLUSTER: [("replicas.svc", 9), ("more.svc", 9)]})
 
     async def lookups() -> list[set[str]]:
         seen = []
@@ -158,17 +166,39 @@ def test_a_name_that_stops_resolving_keeps_its_last_replicas(
 
     with caplog.at_level(logging.INFO, logger="facade.picker"):
         seen = asyncio.run(lookups())
-    assert seen == [{"10.0.0.1:9"}, {"10.0.0.1:9"}, {"10.0.0.1:9"}, {"10.0.0.2:9"}]
+    other = "10.0.1.1:9"
+    assert seen == [
+        {"10.0.0.1:9", other},
+        {"10.0.0.1:9", other},
+        {"10.0.0.1:9", other},
+        {"10.0.0.2:9", other},
+    ]
     # One line when it stops resolving (not one per lookup), one when it is back.
     assert [record.getMessage() for record in caplog.records] == [
-        "replicas.svc:9 resolves to no address; Envoy hashes its pool's requests until it does",
+        "replicas.svc:9 resolves to no address now; the picker keeps its last replicas "
+        "(10.0.0.1:9)",
         "replicas.svc:9 resolves to 10.0.0.2:9",
     ]
 
 
+def test_a_name_that_never_resolved_says_envoy_hashes_meanwhile(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    checks = ReplicaChecks({CLUSTER: [("no-such-replica.invalid", 9)]})
+    with caplog.at_level(logging.WARNING, logger="facade.picker"):
+        asyncio.run(checks.resolve())
+    assert checks.hosts == {CLUSTER: {}}
+    (line,) = [record.getMessage() for record in caplog.records]
+    assert line == (
+        "no-such-replica.invalid:9 resolves to no address yet; Envoy hashes its requests until "
+        "it does"
+    )
+
+
 def test_replicas_that_require_mutual_tls_are_checked_over_it(tmp_path: Path) -> None:
     authority = CertificateAuthority(tmp_path)
-    server, client = authority.server(), authority.client()
+    # Named as a Service names replicas, not by the IP the name resolves to.
+    server, client = authority.server(by_ip=False), authority.client()
     credentials = grpc.ssl_server_credentials(
         [(server.key_file.read_bytes(), server.cert_file.read_bytes())],
         root_certificates=authority.cert_file.read_bytes(),
@@ -212,6 +242,31 @@ def test_the_picker_refuses_an_incomplete_command_line(argv: list[str], message:
     )
     assert result.returncode == 2
     assert message in result.stderr
+
+
+def test_a_second_picker_on_the_same_port_fails_instead_of_sharing_it() -> None:
+    port = free_port()
+    command = [sys.executable, "-m", "facade.picker.server", "--listen", f"127.0.0.1:{port}"]
+    command += ["--upstream", "127.0.0.1:9"]
+    first = subprocess.Popen(command, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not port_open(port):
+            assert first.poll() is None and time.monotonic() < deadline, "no first picker"
+            time.sleep(0.1)
+        second = subprocess.run(command, capture_output=True, text=True, timeout=30)
+        assert second.returncode != 0
+        assert f"cannot listen on 127.0.0.1:{port}" in second.stderr
+        assert first.poll() is None
+    finally:
+        first.terminate()
+        first.wait(timeout=30)
+
+
+def port_open(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+        return True
+    return False
 
 
 def test_launch_refuses_a_shared_picker_without_prefix_balancing() -> None:
