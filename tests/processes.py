@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -31,11 +32,36 @@ __all__ = [
 ]
 
 
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+FREE_PORTS_BELOW_EPHEMERAL = 12_000
+handed_out: set[int] = set()
+
+
+def ephemeral_low() -> int:
+    """The lowest port the kernel gives outgoing connections (32768 where unknown)."""
+    try:
+        return int(EPHEMERAL_RANGE_FILE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A TCP port on loopback that nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port on loopback that nothing listens on right now, and that this process has not
+    handed out before. It lies below the kernel's ephemeral range: a port from that range can
+    become the source port of any outgoing connection before the process meant to bind it
+    does (an Envoy's admin port did, while its launcher waited minutes for its pools)."""
+    low = ephemeral_low()
+    while True:
+        port = random.randrange(max(1024, low - FREE_PORTS_BELOW_EPHEMERAL), low)
+        if port in handed_out:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        handed_out.add(port)
+        return port
 
 
 def lua_errors(admin_url: str) -> int:
