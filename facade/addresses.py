@@ -36,8 +36,10 @@ def resolve(address: Address) -> list[str]:
     resolves to, IPv4 first (the replica clusters' dns_lookup_family); [] if it resolves to
     none for now."""
     host, port = address
-    if is_ip_address(host):
+    try:
         return [host_name(str(ipaddress.ip_address(host)), port)]  # as Envoy writes it
+    except ValueError:
+        pass  # a name
     for family in (socket.AF_INET, socket.AF_INET6):
         try:
             found = socket.getaddrinfo(host, port, family, socket.SOCK_STREAM)

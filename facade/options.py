@@ -222,11 +222,15 @@ def add_balance_options(parser: argparse.ArgumentParser) -> None:
         "the same for a token-id prompt, in ids",
         positive_int,
     )
+    add_balance_factor_option(parser)
+
+
+def add_balance_factor_option(parser: argparse.ArgumentParser) -> None:
     add_option(
         parser,
         "--balance-factor",
         "BALANCE_FACTOR",
-        defaults.balance_factor,
+        PrefixAffinity().balance_factor,
         "a replica takes a prefix's requests while its requests in flight are within this "
         "percentage of the pool's average, else the next replica does",
         balance_factor,

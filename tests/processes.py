@@ -28,6 +28,7 @@ __all__ = [
     "free_port",
     "healthy_upstreams",
     "lua_errors",
+    "port_open",
     "shared_picker",
 ]
 
@@ -80,6 +81,13 @@ def healthy_upstreams(admin_url: str, cluster: str) -> set[str]:
     return {host for host, replica in hosts.items() if replica.healthy}
 
 
+def port_open(port: int) -> bool:
+    """Whether something accepts connections on the loopback port."""
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+        return True
+    return False
+
+
 @contextlib.contextmanager
 def shared_picker(
     port: int, upstreams: list[str], log: Path | None = None, timeout: float = 30
@@ -93,9 +101,7 @@ def shared_picker(
     picker = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT if log else None)
     try:
         deadline = time.monotonic() + timeout
-        while True:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
-                break
+        while not port_open(port):
             if picker.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the shared picker did not start (exit code {picker.poll()})")
             time.sleep(0.2)

@@ -24,11 +24,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 
 from facade.addresses import parse_address
-from facade.balancing import PATH_HEADER, PrefixAffinity
+from facade.balancing import PATH_HEADER
 from facade.options import (
+    add_balance_factor_option,
     add_replica_address_options,
     add_upstream_tls_options,
-    balance_factor,
     fleet_from,
     upstream_tls_from,
 )
@@ -37,7 +37,6 @@ from facade.picker.fleet import Clusters, FleetView, read_clusters
 from facade.picker.health import CHECK_EVERY_SECONDS, ReplicaChecks
 from facade.picker.policy import CacheAwarePolicy, PromptPath
 from facade.render import keyed_clusters
-from service.options import add_option
 from service.settings import KeepaliveSettings
 from service.transport.keepalive import server_options
 
@@ -238,15 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_replica_address_options(parser)
     add_upstream_tls_options(parser)
-    add_option(
-        parser,
-        "--balance-factor",
-        "BALANCE_FACTOR",
-        PrefixAffinity().balance_factor,
-        "a replica takes a prefix's requests while its requests in flight are within this "
-        "percentage of the pool's average (the Envoys' --balance-factor)",
-        balance_factor,
-    )
+    add_balance_factor_option(parser)
     return parser
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 import subprocess
 import sys
 import time
@@ -26,7 +25,7 @@ from facade.picker.fleet import Clusters
 from facade.picker.health import UNANSWERED_LIMIT, ReplicaChecks
 from facade.tls import UpstreamTls
 from tests.certificates import CertificateAuthority
-from tests.processes import free_port
+from tests.processes import free_port, port_open
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -261,12 +260,6 @@ def test_a_second_picker_on_the_same_port_fails_instead_of_sharing_it() -> None:
     finally:
         first.terminate()
         first.wait(timeout=30)
-
-
-def port_open(port: int) -> bool:
-    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
-        return True
-    return False
 
 
 def test_launch_refuses_a_shared_picker_without_prefix_balancing() -> None:
