@@ -4,9 +4,10 @@ requests that share a model and leading prompt land on one replica (REST whole a
 gRPC, text and token ids), whose prefix cache then serves them; instructions every prompt
 shares do not pull the documents after them onto one replica; adapters are keyed apart;
 calls without a prompt carry no key; hostile prompts get answers, with no Lua error and the
-picker unharmed; a hot prefix spills to the other replica under load; a
-killed replica's prefixes move to the other without failures. Tests run in file order; the
-last one kills a replica."""
+picker unharmed; a hot prefix spills to the other replica under load; Envoys sharing one
+picker keep each prefix on one replica; a killed replica's prefixes move to the other without
+failures, through Envoy's own picker and through a shared one, which drops the replica by its
+own health checks. Tests run in file order; the last one kills a replica."""
 
 from __future__ import annotations
 
@@ -531,13 +532,52 @@ def test_a_picker_that_dies_is_restarted_and_picks_again(fleet: Fleet) -> None:
         assert reply.headers[HOST_HEADER] == picked.split(",")[0]
 
 
-def test_a_killed_replicas_prefixes_move_to_the_other_without_failures(fleet: Fleet) -> None:
-    prefix = shared_prefix("moved")
-    host, _ = rest_call(fleet, prompt=f"{prefix} Before?", max_tokens=1)
-    victim = fleet.replica_at(host)
-    victim.processes[0].send_signal(signal.SIGKILL)
-    victim.processes[0].wait(timeout=30)
+def prefix_served_by(fleet: Fleet, host: str, label: str, tries: int = 12) -> str:
+    """A new prefix that `fleet` sends to the replica at `host` (one prefix in two goes there)."""
+    for attempt in range(tries):
+        prefix = shared_prefix(f"{label} {attempt}")
+        if rest_call(fleet, prompt=f"{prefix} Before?", max_tokens=1)[0] == host:
+            return prefix
+    raise AssertionError(f"{tries} new prefixes and none went to {host}")
+
+
+def test_a_killed_replicas_prefixes_move_to_the_other_without_failures(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """Through Envoy with its own picker, which follows Envoy's health checks, and through an
+    Envoy asking a shared picker, which checks the replicas' health itself."""
+    port = free_port()
+    targets = [replica.grpc_target for replica in fleet.replicas]
+    with (
+        shared_picker(port, targets, tmp_path / "picker.log"),
+        facade(fleet.replicas, "--picker", f"127.0.0.1:{port}") as shared,
+    ):
+        wait_for_picks(shared)
+        prefix = shared_prefix("moved, shared picker")
+        host, picked = picked_replicas(shared, f"{prefix} Before?")
+        assert picked[0] == host, (host, picked)
+        victim = fleet.replica_at(host)
+        (survivor,) = [r.grpc_target for r in fleet.replicas if r is not victim]
+        own_prefix = prefix_served_by(fleet, host, "moved, own picker")
+
+        victim.processes[0].send_signal(signal.SIGKILL)
+        victim.processes[0].wait(timeout=30)
+        # Until the shared picker's checks find the replica gone it still names it first, and
+        # Envoy's retry takes the next it names: no call fails meanwhile.
+        deadline = time.monotonic() + 20
+        while True:
+            host, picked = picked_replicas(shared, f"{prefix} After?")
+            assert host == survivor, (host, picked)
+            if picked == [survivor]:
+                break
+            assert time.monotonic() < deadline, f"the shared picker still names {picked}"
+            time.sleep(0.5)
+        after = [picked_replicas(shared, f"{prefix} After {i}?") for i in range(3)]
+        assert after == [(survivor, [survivor])] * 3
+        assert "not healthy" in (tmp_path / "picker.log").read_text()
+
     time.sleep(1)
-    after = [rest_call(fleet, prompt=f"{prefix} After {i}?", max_tokens=1)[0] for i in range(5)]
-    (survivor,) = [r.grpc_target for r in fleet.replicas if r is not victim]
-    assert after == [survivor] * 5
+    after_own = [
+        rest_call(fleet, prompt=f"{own_prefix} After {i}?", max_tokens=1)[0] for i in range(5)
+    ]
+    assert after_own == [survivor] * 5
