@@ -33,6 +33,10 @@ def grpc_route(config: dict[str, Any]) -> dict[str, Any]:
     return next(r for r in routes(config) if "route" in r)
 
 
+def cluster_named(config: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(c for c in config["static_resources"]["clusters"] if c["name"] == name)
+
+
 def replica_clusters(config: dict[str, Any]) -> list[dict[str, Any]]:
     """The clusters of replicas (not the aggregate of several pools)."""
     return [

@@ -25,7 +25,7 @@ from facade.render import (
     several_replicas,
     write_config,
 )
-from facade.tls import UpstreamTls, listener_tls
+from facade.tls import UpstreamTls, describe_tls, listener_tls
 from service.settings import TlsSettings
 
 
@@ -62,18 +62,17 @@ def balancing(args: argparse.Namespace, fleet: Fleet) -> PrefixAffinity | None:
     return affinity if several_replicas(fleet.groups) else None
 
 
-def describe_tls(tls: TlsSettings | UpstreamTls | None) -> str:
-    if tls is None:
-        return "plaintext"
-    return "mutual TLS" if tls.mutual else "TLS"
-
-
-def describe_balance(affinity: PrefixAffinity | None, picker: Address | None) -> str:
+def describe_balance(
+    affinity: PrefixAffinity | None, picker: Address | None, picker_tls: UpstreamTls | None
+) -> str:
     if affinity is None:
         return "least request"
     if picker is None:
         return f"prefix ({affinity})"
-    return f"prefix ({affinity}), asking the shared picker at {picker[0]}:{picker[1]}"
+    return (
+        f"prefix ({affinity}), asking the shared picker at {picker[0]}:{picker[1]} "
+        f"({describe_tls(picker_tls)})"
+    )
 
 
 def main() -> None:
@@ -82,6 +81,9 @@ def main() -> None:
     if args.picker is not None and args.balance != "prefix":
         parser.error(f"--picker is the picker of --balance prefix, not {args.balance}")
     listener, upstream = tls_from(args, parser)
+    picker_tls = upstream_tls_from(args, parser, to="picker")
+    if picker_tls is not None and args.picker is None:
+        parser.error("--picker-ca-file is how Envoy reaches a shared picker: give --picker too")
     fleet = discovered(fleet_from(args, parser), upstream, args.discovery_timeout)
     config = render_config(
         args.http_port,
@@ -96,12 +98,12 @@ def main() -> None:
     directory = Path(tempfile.mkdtemp(prefix="envoy-facade-"))
     picker_socket = directory / "picker.sock"
     configure_routing(config, fleet.pools, fleet.listing, affinity, args.picker or picker_socket)
-    apply_tls(config, listener, upstream, directory)
+    apply_tls(config, listener, upstream, directory, picker_tls if affinity else None)
     command = envoy_command(write_config(config, directory), args.log_level, args.concurrency)
     log(
         f"REST and gRPC on {args.listen_host}:{args.http_port} ({describe_tls(listener)}) -> "
         f"replicas {fleet.upstreams} ({describe_tls(upstream)}), balanced by "
-        + describe_balance(affinity, args.picker)
+        + describe_balance(affinity, args.picker, picker_tls)
     )
     if affinity is not None and affinity.picker and args.picker is None:
         start_picker(

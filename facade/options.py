@@ -56,11 +56,12 @@ def fleet_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Fle
 
 
 def upstream_tls_from(
-    args: argparse.Namespace, parser: argparse.ArgumentParser
+    args: argparse.Namespace, parser: argparse.ArgumentParser, to: str = "upstream"
 ) -> UpstreamTls | None:
-    """TLS to the replicas, or None for plaintext."""
+    """TLS to the replicas (or, `to` "picker", to the shared picker), or None for plaintext."""
+    files = (getattr(args, f"{to}_{kind}_file") for kind in ("ca", "cert", "key"))
     try:
-        return upstream_tls(args.upstream_ca_file, args.upstream_cert_file, args.upstream_key_file)
+        return upstream_tls(*files, options=f"--{to}")
     except argparse.ArgumentTypeError as error:
         parser.error(str(error))
 
@@ -158,13 +159,15 @@ def add_tls_options(parser: argparse.ArgumentParser) -> None:
     add_upstream_tls_options(parser)
 
 
-def add_listener_tls_options(parser: argparse.ArgumentParser) -> None:
+def add_listener_tls_options(
+    parser: argparse.ArgumentParser, served: str = "REST and native gRPC"
+) -> None:
     path_option(
         parser,
         "--tls-cert-file",
         "TLS_CERT_FILE",
-        "serve REST and native gRPC over TLS with this PEM certificate (chain); files renamed "
-        "into its directory are loaded without a restart; unset: plaintext",
+        f"serve {served} over TLS with this PEM certificate (chain); files renamed into its "
+        "directory are loaded without a restart; unset: plaintext",
     )
     path_option(parser, "--tls-key-file", "TLS_KEY_FILE", "its PEM private key")
     path_option(
@@ -248,6 +251,20 @@ def add_picker_option(parser: argparse.ArgumentParser) -> None:
         "one beside this Envoy",
         parse_address,
     )
+    path_option(
+        parser,
+        "--picker-ca-file",
+        "PICKER_CA_FILE",
+        "reach the shared picker over TLS, trusting the CA certificates in this PEM file (its "
+        "certificate must name the --picker host); unset: plaintext",
+    )
+    path_option(
+        parser,
+        "--picker-cert-file",
+        "PICKER_CERT_FILE",
+        "the PEM client certificate Envoy presents to a picker that requires one",
+    )
+    path_option(parser, "--picker-key-file", "PICKER_KEY_FILE", "its PEM private key")
 
 
 def affinity_from(args: argparse.Namespace) -> PrefixAffinity | None:

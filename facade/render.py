@@ -24,13 +24,20 @@ from facade.balancing import (
 from facade.envoy_config import (
     DESCRIPTOR_FILE,
     FACADE_DIR,
+    PICKER_CLUSTER,
+    cluster_named,
     filter_config,
     grpc_route,
     replica_clusters,
     routes,
 )
 from facade.pools import Pool
-from facade.tls import UpstreamTls, listener_transport_socket, upstream_transport_socket
+from facade.tls import (
+    UpstreamTls,
+    listener_transport_socket,
+    named_server_transport_socket,
+    upstream_transport_socket,
+)
 from service.settings import TlsSettings
 from service.transport.endpoint_models import ENDPOINT_MODELS_HEADER
 
@@ -214,14 +221,23 @@ def apply_tls(
     listener: TlsSettings | None,
     upstream: UpstreamTls | None,
     directory: Path,
+    picker: UpstreamTls | None = None,
 ) -> None:
-    """TLS on the listener and on every cluster of replicas (health checks use it too)."""
+    """TLS on the listener, on every cluster of replicas (health checks use it too) and to
+    the shared picker."""
     if listener is not None:
         chain = config["static_resources"]["listeners"][0]["filter_chains"][0]
         chain["transport_socket"] = listener_transport_socket(listener, directory)
     if upstream is not None:
         for cluster in replica_clusters(config):
             cluster["transport_socket"] = upstream_transport_socket(upstream, directory)
+    if picker is not None:
+        cluster = cluster_named(config, PICKER_CLUSTER)
+        (endpoint,) = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+        host = endpoint["endpoint"]["address"]["socket_address"]["address"]
+        cluster["transport_socket"] = named_server_transport_socket(
+            picker, directory, "picker", host
+        )
 
 
 def write_config(config: dict[str, Any], directory: Path) -> Path:

@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 import yaml
 
+from facade.addresses import is_ip_address
 from service.settings import TlsSettings
 from service.transport.tls import CertificateError, tls_settings
 
@@ -45,6 +46,12 @@ class UpstreamTls:
         return grpc.ssl_channel_credentials(
             self.ca_file.read_bytes(), *(path.read_bytes() for path in client)
         )
+
+
+def describe_tls(tls: TlsSettings | UpstreamTls | None) -> str:
+    if tls is None:
+        return "plaintext"
+    return "mutual TLS" if tls.mutual else "TLS"
 
 
 def grpc_channel(target: str, tls: UpstreamTls | None) -> grpc.Channel:
@@ -75,17 +82,21 @@ def listener_tls(
 
 
 def upstream_tls(
-    ca_file: Path | None, cert_file: Path | None, key_file: Path | None
+    ca_file: Path | None,
+    cert_file: Path | None,
+    key_file: Path | None,
+    options: str = "--upstream",
 ) -> UpstreamTls | None:
-    """From the three options (None: plaintext to the replicas)."""
+    """From the three options `options`-ca-file, -cert-file and -key-file (None: plaintext to
+    the replicas, or to the shared picker)."""
     if ca_file is None:
         if cert_file is not None or key_file is not None:
             raise argparse.ArgumentTypeError(
-                "--upstream-cert-file and --upstream-key-file need --upstream-ca-file"
+                f"{options}-cert-file and {options}-key-file need {options}-ca-file"
             )
         return None
     if (cert_file is None) != (key_file is None):
-        raise argparse.ArgumentTypeError("--upstream-cert-file and --upstream-key-file go together")
+        raise argparse.ArgumentTypeError(f"{options}-cert-file and {options}-key-file go together")
     check_readable(ca_file, cert_file, key_file)
     return UpstreamTls(absolute(ca_file), optional(cert_file), optional(key_file))
 
@@ -162,19 +173,22 @@ def listener_transport_socket(tls: TlsSettings, directory: Path) -> dict[str, An
     }
 
 
-def upstream_transport_socket(tls: UpstreamTls, directory: Path) -> dict[str, Any]:
-    """TLS to the replicas (requests and health checks), HTTP/2 by ALPN."""
+def upstream_transport_socket(
+    tls: UpstreamTls, directory: Path, name: str = "upstream"
+) -> dict[str, Any]:
+    """TLS to the replicas (requests and health checks), HTTP/2 by ALPN; its secrets' files are
+    named after `name`."""
     context: dict[str, Any] = {
         "alpn_protocols": ["h2"],
         "validation_context_sds_secret_config": write_secret(
-            directory, "upstream_ca", ca_secret(tls.ca_file)
+            directory, f"{name}_ca", ca_secret(tls.ca_file)
         ),
     }
     if tls.cert_file is not None and tls.key_file is not None:
         context["tls_certificate_sds_secret_configs"] = [
             write_secret(
                 directory,
-                "upstream_client_certificate",
+                f"{name}_client_certificate",
                 certificate_secret(tls.cert_file, tls.key_file),
             )
         ]
@@ -182,3 +196,23 @@ def upstream_transport_socket(tls: UpstreamTls, directory: Path) -> dict[str, An
         "name": TLS_SOCKET,
         "typed_config": {"@type": f"{TLS_TYPES}UpstreamTlsContext", "common_tls_context": context},
     }
+
+
+def named_server_transport_socket(
+    tls: UpstreamTls, directory: Path, name: str, host: str
+) -> dict[str, Any]:
+    """TLS to one server known by `host` (a name or an IP): its certificate must be signed by
+    the CA and name that host, as a gRPC client checks it; a name is also sent as SNI."""
+    socket = upstream_transport_socket(tls, directory, name)
+    typed = socket["typed_config"]
+    context = typed["common_tls_context"]
+    san_type = "IP_ADDRESS" if is_ip_address(host) else "DNS"
+    context["combined_validation_context"] = {
+        "default_validation_context": {
+            "match_typed_subject_alt_names": [{"san_type": san_type, "matcher": {"exact": host}}]
+        },
+        "validation_context_sds_secret_config": context.pop("validation_context_sds_secret_config"),
+    }
+    if san_type == "DNS":
+        typed["sni"] = host
+    return socket

@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,13 +90,19 @@ def port_open(port: int) -> bool:
 
 @contextlib.contextmanager
 def shared_picker(
-    port: int, upstreams: list[str], log: Path | None = None, timeout: float = 30
+    port: int,
+    upstreams: list[str],
+    log: Path | None = None,
+    options: Sequence[str] = (),
+    timeout: float = 30,
 ) -> Iterator[subprocess.Popen[bytes]]:
     """A replica picker for several Envoys (each started with --picker 127.0.0.1:PORT),
-    checking the replicas' health itself, once it accepts calls; its output to `log` if given."""
+    checking the replicas' health itself, once it accepts calls; its output to `log` if given,
+    with more of its `options` (TLS)."""
     command = [sys.executable, "-m", "facade.picker.server", "--listen", f"127.0.0.1:{port}"]
     for upstream in upstreams:
         command += ["--upstream", upstream]
+    command += options
     output = log.open("ab") if log else None
     picker = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT if log else None)
     try:

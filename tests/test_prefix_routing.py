@@ -38,6 +38,7 @@ from bench.routing import common_prefix_length
 from facade.balancing import PATH_HEADER, PrefixAffinity
 from facade.picker import REPLICA_HEADER
 from facade.picker.policy import PromptPath
+from tests.certificates import CertificateAuthority
 from tests.conftest import ENGINE_START_TIMEOUT, MODEL, SMALL_ENGINE
 from tests.helpers import body, grpc_request
 from tests.metrics import engine_block_tokens
@@ -497,6 +498,39 @@ def test_envoys_sharing_one_picker_keep_each_prefix_on_one_replica(fleet: Fleet)
             rest_call(fronts[i % 2], prompt=f"{prefix} Q{i}?", max_tokens=1)[0] for i in range(4)
         }
         assert len(hosts) == 1, hosts
+
+
+def picks_made(fleet: Fleet, calls: int = 6) -> int:
+    """How many of `calls` keyed calls the picker named replicas for (all are answered)."""
+    return sum(bool(picked_replicas(fleet, shared_prefix("tls"))[1]) for _ in range(calls))
+
+
+def test_envoy_reaches_a_shared_picker_over_mutual_tls(fleet: Fleet, tmp_path: Path) -> None:
+    authority = CertificateAuthority(tmp_path)
+    server, client = authority.server("picker", by_ip=False), authority.client()  # localhost
+    port = free_port()
+    serve_tls = [
+        *("--tls-cert-file", str(server.cert_file), "--tls-key-file", str(server.key_file)),
+        *("--tls-client-ca-file", str(authority.cert_file)),
+    ]
+    trust = ["--picker-ca-file", str(authority.cert_file)]
+    present = [
+        "--picker-cert-file",
+        str(client.cert_file),
+        "--picker-key-file",
+        str(client.key_file),
+    ]
+    targets = [replica.grpc_target for replica in fleet.replicas]
+    with shared_picker(port, targets, tmp_path / "picker.log", serve_tls):
+        with facade(fleet.replicas, "--picker", f"localhost:{port}", *trust, *present) as front:
+            wait_for_picks(front)
+            assert picks_made(front) == 6
+        # Envoy fails open to hashing, and the picker is asked nothing, when Envoy presents no
+        # certificate, or when the picker's certificate does not name the address Envoy dials.
+        with facade(fleet.replicas, "--picker", f"localhost:{port}", *trust) as front:
+            assert picks_made(front) == 0
+        with facade(fleet.replicas, "--picker", f"127.0.0.1:{port}", *trust, *present) as front:
+            assert picks_made(front) == 0
 
 
 def test_the_picker_leaves_with_envoy(fleet: Fleet) -> None:

@@ -8,6 +8,9 @@ from its admin interface:
 Shared by several Envoys (each started with --picker HOST:PORT), on a TCP port, checking the
 replicas' health itself; give it the same --upstream or --pool as the Envoys:
     python -m facade.picker.server --listen HOST:PORT --upstream HOST:PORT ... [--balance-factor N]
+        [--tls-cert-file F --tls-key-file F [--tls-client-ca-file F]]
+(with TLS, each Envoy is started with --picker-ca-file, and --picker-cert-file and
+--picker-key-file when the picker requires client certificates).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from facade.addresses import parse_address
 from facade.balancing import PATH_HEADER
 from facade.options import (
     add_balance_factor_option,
+    add_listener_tls_options,
     add_replica_address_options,
     add_upstream_tls_options,
     fleet_from,
@@ -37,8 +41,10 @@ from facade.picker.fleet import Clusters, FleetView, read_clusters
 from facade.picker.health import CHECK_EVERY_SECONDS, ReplicaChecks
 from facade.picker.policy import CacheAwarePolicy, PromptPath
 from facade.render import keyed_clusters
-from service.settings import KeepaliveSettings
+from facade.tls import describe_tls, listener_tls
+from service.settings import KeepaliveSettings, TlsSettings
 from service.transport.keepalive import server_options
+from service.transport.tls import server_credentials
 
 READ_EVERY_SECONDS = 0.25  # health changes at Envoy's 2 s health checks
 REPORT_EVERY_SECONDS = 60
@@ -167,8 +173,15 @@ async def follow(
         await asyncio.sleep(every)
 
 
-async def serve(bind: str, read: ReadHealth, every: float, balance_factor: int) -> None:
-    """Answers Envoy on `bind` (unix:PATH or HOST:PORT) while following the replicas' health."""
+async def serve(
+    bind: str,
+    read: ReadHealth,
+    every: float,
+    balance_factor: int,
+    tls: TlsSettings | None = None,
+) -> None:
+    """Answers Envoy on `bind` (unix:PATH or HOST:PORT, over `tls` if given) while following
+    the replicas' health."""
     policy = CacheAwarePolicy(balance_factor)
     fleet = FleetView()
     server = grpc.aio.server(
@@ -182,7 +195,10 @@ async def serve(bind: str, read: ReadHealth, every: float, balance_factor: int) 
     )
     ext_proc_grpc.add_ExternalProcessorServicer_to_server(ReplicaPicker(policy, fleet), server)
     try:
-        server.add_insecure_port(bind)
+        if tls is None:
+            server.add_insecure_port(bind)
+        else:
+            server.add_secure_port(bind, server_credentials(tls))
     except RuntimeError as error:
         raise SystemExit(f"envoy picker: cannot listen on {bind} (in use?): {error}") from error
     await server.start()
@@ -202,6 +218,10 @@ async def serve_beside_envoy(args: argparse.Namespace) -> None:
 
 async def serve_shared(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     fleet = fleet_from(args, parser)
+    try:
+        tls = listener_tls(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file)
+    except argparse.ArgumentTypeError as error:
+        parser.error(str(error))
     checks = ReplicaChecks(
         keyed_clusters(fleet.upstreams, fleet.pools), upstream_tls_from(args, parser)
     )
@@ -211,10 +231,14 @@ async def serve_shared(args: argparse.Namespace, parser: argparse.ArgumentParser
         for cluster, addresses in checks.pools.items()
     )
     logger.info(
-        "replica picker on %s:%d for any Envoy, checking the replicas of %s", host, port, pools
+        "replica picker on %s:%d (%s) for any Envoy, checking the replicas of %s",
+        host,
+        port,
+        describe_tls(tls),
+        pools,
     )
     try:
-        await serve(f"{host}:{port}", checks.read, CHECK_EVERY_SECONDS, args.balance_factor)
+        await serve(f"{host}:{port}", checks.read, CHECK_EVERY_SECONDS, args.balance_factor, tls)
     finally:
         await checks.close()
 
@@ -237,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_replica_address_options(parser)
     add_upstream_tls_options(parser)
+    add_listener_tls_options(parser, served="the Envoys' calls (with --listen)")
     add_balance_factor_option(parser)
     return parser
 

@@ -233,6 +233,7 @@ async def checked_over_tls(replica: Replica, mutual: UpstreamTls, server_only: U
         (["--listen", "nowhere"], "expected HOST:PORT"),
         (["--socket", "/tmp/p.sock", "--listen", "127.0.0.1:1"], "not allowed with"),
         ([], "one of the arguments --socket --listen is required"),
+        (["--listen", "127.0.0.1:1", "--tls-key-file", "/dev/null"], "go together"),
     ],
 )
 def test_the_picker_refuses_an_incomplete_command_line(argv: list[str], message: str) -> None:

@@ -1,12 +1,14 @@
 """The transport's configuration without a running server: the keepalive options grpc gets,
-certificate files re-read when they change, and Envoy's TLS on its listener and on every
-cluster of replicas."""
+certificate files re-read when they change, and Envoy's TLS on its listener, on every
+cluster of replicas and to a shared replica picker."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +101,56 @@ def test_envoy_speaks_tls_on_its_listener_and_to_every_replica(tmp_path: Path, p
         assert "tls_certificate_sds_secret_configs" in context  # Envoy's client certificate
     aggregate = [c for c in config["static_resources"]["clusters"] if c not in replicas]
     assert all("transport_socket" not in cluster for cluster in aggregate)
+
+
+@pytest.mark.parametrize(
+    ("host", "san_type"), [("llm-completions-picker", "DNS"), ("127.0.0.1", "IP_ADDRESS")]
+)
+def test_envoy_reaches_a_shared_picker_over_tls_that_names_its_host(
+    tmp_path: Path, host: str, san_type: str
+) -> None:
+    authority, pair = pki(tmp_path)
+    config = render.render_config(8080, 9901, [("127.0.0.1", 1), ("127.0.0.1", 2)])
+    render.configure_routing(config, [], "", PrefixAffinity(), (host, 50061))
+    picker_tls = UpstreamTls(authority.cert_file, pair.cert_file, pair.key_file)
+    render.apply_tls(config, None, None, tmp_path, picker_tls)
+    picker = envoy_config.cluster_named(config, envoy_config.PICKER_CLUSTER)
+    typed = picker["transport_socket"]["typed_config"]
+    assert typed.get("sni") == (host if san_type == "DNS" else None)
+    context = typed["common_tls_context"]
+    assert context["alpn_protocols"] == ["h2"]
+    validation = context["combined_validation_context"]
+    (san,) = validation["default_validation_context"]["match_typed_subject_alt_names"]
+    assert san == {"san_type": san_type, "matcher": {"exact": host}}
+    ca = validation["validation_context_sds_secret_config"]["sds_config"]["path_config_source"]
+    (sds,) = context["tls_certificate_sds_secret_configs"]
+    certificate = sds["sds_config"]["path_config_source"]
+    assert {Path(ca["path"]).name, Path(certificate["path"]).name} == {
+        "picker_ca.yaml",
+        "picker_client_certificate.yaml",
+    }
+    # TLS to the picker is its own: the replicas stay plaintext unless told otherwise.
+    assert all("transport_socket" not in c for c in envoy_config.replica_clusters(config))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--picker-ca-file", "ca.crt"], "give --picker too"),
+        (["--picker", "127.0.0.1:1", "--picker-cert-file", "c.crt"], "need --picker-ca-file"),
+    ],
+)
+def test_tls_to_a_shared_picker_needs_the_picker_and_its_ca(
+    tmp_path: Path, argv: list[str], message: str
+) -> None:
+    authority, _ = pki(tmp_path)
+    for name in ("ca.crt", "c.crt"):
+        (tmp_path / name).write_bytes(authority.cert_file.read_bytes())
+    result = subprocess.run(
+        [sys.executable, "-m", "facade.launch", *argv], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert result.returncode == 2
+    assert message in result.stderr
 
 
 def test_envoy_reads_each_certificate_from_a_watched_secret_file(tmp_path: Path) -> None:
