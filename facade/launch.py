@@ -98,7 +98,9 @@ def main() -> None:
     directory = Path(tempfile.mkdtemp(prefix="envoy-facade-"))
     picker_socket = directory / "picker.sock"
     configure_routing(config, fleet.pools, fleet.listing, affinity, args.picker or picker_socket)
-    apply_tls(config, listener, upstream, directory, picker_tls if affinity else None)
+    asks_shared_picker = affinity is not None and affinity.picker and args.picker is not None
+    picker = (picker_tls, args.picker) if asks_shared_picker and picker_tls is not None else None
+    apply_tls(config, listener, upstream, directory, picker)
     command = envoy_command(write_config(config, directory), args.log_level, args.concurrency)
     log(
         f"REST and gRPC on {args.listen_host}:{args.http_port} ({describe_tls(listener)}) -> "

@@ -7,6 +7,7 @@ import argparse
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from facade.addresses import parse_address
 from facade.balancing import BALANCE_POLICIES, PrefixAffinity
@@ -56,12 +57,15 @@ def fleet_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Fle
 
 
 def upstream_tls_from(
-    args: argparse.Namespace, parser: argparse.ArgumentParser, to: str = "upstream"
+    args: argparse.Namespace,
+    parser: argparse.ArgumentParser,
+    to: Literal["upstream", "picker"] = "upstream",
 ) -> UpstreamTls | None:
-    """TLS to the replicas (or, `to` "picker", to the shared picker), or None for plaintext."""
+    """TLS to the replicas (--upstream-ca-file and the rest) or to the shared picker
+    (--picker-ca-file and the rest), or None for plaintext."""
     files = (getattr(args, f"{to}_{kind}_file") for kind in ("ca", "cert", "key"))
     try:
-        return upstream_tls(*files, options=f"--{to}")
+        return upstream_tls(*files, flag_prefix=f"--{to}")
     except argparse.ArgumentTypeError as error:
         parser.error(str(error))
 
@@ -160,20 +164,22 @@ def add_tls_options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_listener_tls_options(
-    parser: argparse.ArgumentParser, served: str = "REST and native gRPC"
+    parser: argparse.ArgumentParser, served: str = "REST and native gRPC", env_prefix: str = ""
 ) -> None:
+    """--tls-cert-file, --tls-key-file, --tls-client-ca-file, read from the environment as
+    `env_prefix`TLS_CERT_FILE and so on."""
     path_option(
         parser,
         "--tls-cert-file",
-        "TLS_CERT_FILE",
+        f"{env_prefix}TLS_CERT_FILE",
         f"serve {served} over TLS with this PEM certificate (chain); files renamed into its "
         "directory are loaded without a restart; unset: plaintext",
     )
-    path_option(parser, "--tls-key-file", "TLS_KEY_FILE", "its PEM private key")
+    path_option(parser, "--tls-key-file", f"{env_prefix}TLS_KEY_FILE", "its PEM private key")
     path_option(
         parser,
         "--tls-client-ca-file",
-        "TLS_CLIENT_CA_FILE",
+        f"{env_prefix}TLS_CLIENT_CA_FILE",
         "require callers' certificates signed by these PEM CA certificates (mutual TLS)",
     )
 

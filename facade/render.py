@@ -221,10 +221,10 @@ def apply_tls(
     listener: TlsSettings | None,
     upstream: UpstreamTls | None,
     directory: Path,
-    picker: UpstreamTls | None = None,
+    picker: tuple[UpstreamTls, Address] | None = None,
 ) -> None:
     """TLS on the listener, on every cluster of replicas (health checks use it too) and to
-    the shared picker."""
+    the shared picker at its address, if given."""
     if listener is not None:
         chain = config["static_resources"]["listeners"][0]["filter_chains"][0]
         chain["transport_socket"] = listener_transport_socket(listener, directory)
@@ -232,11 +232,9 @@ def apply_tls(
         for cluster in replica_clusters(config):
             cluster["transport_socket"] = upstream_transport_socket(upstream, directory)
     if picker is not None:
-        cluster = cluster_named(config, PICKER_CLUSTER)
-        (endpoint,) = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
-        host = endpoint["endpoint"]["address"]["socket_address"]["address"]
-        cluster["transport_socket"] = named_server_transport_socket(
-            picker, directory, "picker", host
+        tls, (host, _) = picker
+        cluster_named(config, PICKER_CLUSTER)["transport_socket"] = named_server_transport_socket(
+            tls, directory, "picker", host
         )
 
 

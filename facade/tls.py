@@ -11,6 +11,7 @@ mounted Secret, or `mv new.crt server.crt`) are loaded for new connections witho
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -85,18 +86,20 @@ def upstream_tls(
     ca_file: Path | None,
     cert_file: Path | None,
     key_file: Path | None,
-    options: str = "--upstream",
+    flag_prefix: str = "--upstream",
 ) -> UpstreamTls | None:
-    """From the three options `options`-ca-file, -cert-file and -key-file (None: plaintext to
-    the replicas, or to the shared picker)."""
+    """From the three options `flag_prefix`-ca-file, -cert-file and -key-file (None: plaintext
+    to the replicas, or to the shared picker)."""
     if ca_file is None:
         if cert_file is not None or key_file is not None:
             raise argparse.ArgumentTypeError(
-                f"{options}-cert-file and {options}-key-file need {options}-ca-file"
+                f"{flag_prefix}-cert-file and {flag_prefix}-key-file need {flag_prefix}-ca-file"
             )
         return None
     if (cert_file is None) != (key_file is None):
-        raise argparse.ArgumentTypeError(f"{options}-cert-file and {options}-key-file go together")
+        raise argparse.ArgumentTypeError(
+            f"{flag_prefix}-cert-file and {flag_prefix}-key-file go together"
+        )
     check_readable(ca_file, cert_file, key_file)
     return UpstreamTls(absolute(ca_file), optional(cert_file), optional(key_file))
 
@@ -207,9 +210,11 @@ def named_server_transport_socket(
     typed = socket["typed_config"]
     context = typed["common_tls_context"]
     san_type = "IP_ADDRESS" if is_ip_address(host) else "DNS"
+    # Envoy compares an IP SAN in its canonical text (::1, not 0:0::1).
+    san = str(ipaddress.ip_address(host)) if san_type == "IP_ADDRESS" else host
     context["combined_validation_context"] = {
         "default_validation_context": {
-            "match_typed_subject_alt_names": [{"san_type": san_type, "matcher": {"exact": host}}]
+            "match_typed_subject_alt_names": [{"san_type": san_type, "matcher": {"exact": san}}]
         },
         "validation_context_sds_secret_config": context.pop("validation_context_sds_secret_config"),
     }

@@ -505,6 +505,14 @@ def picks_made(fleet: Fleet, calls: int = 6) -> int:
     return sum(bool(picked_replicas(fleet, shared_prefix("tls"))[1]) for _ in range(calls))
 
 
+def picker_stat(fleet: Fleet, name: str) -> int:
+    """A counter of Envoy's cluster of the picker."""
+    stat = f"cluster.replica_picker.{name}"
+    reply = httpx.get(f"{fleet.admin_url}/stats", params={"filter": f"^{stat}$"}, timeout=5)
+    (line,) = reply.text.splitlines()
+    return int(line.split(": ")[1])
+
+
 def test_envoy_reaches_a_shared_picker_over_mutual_tls(fleet: Fleet, tmp_path: Path) -> None:
     authority = CertificateAuthority(tmp_path)
     server, client = authority.server("picker", by_ip=False), authority.client()  # localhost
@@ -529,8 +537,10 @@ def test_envoy_reaches_a_shared_picker_over_mutual_tls(fleet: Fleet, tmp_path: P
         # certificate, or when the picker's certificate does not name the address Envoy dials.
         with facade(fleet.replicas, "--picker", f"localhost:{port}", *trust) as front:
             assert picks_made(front) == 0
+            assert picker_stat(front, "upstream_cx_destroy_remote") > 0  # the picker refused
         with facade(fleet.replicas, "--picker", f"127.0.0.1:{port}", *trust, *present) as front:
             assert picks_made(front) == 0
+            assert picker_stat(front, "ssl.fail_verify_san") > 0  # Envoy refused
 
 
 def test_the_picker_leaves_with_envoy(fleet: Fleet) -> None:

@@ -261,7 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_replica_address_options(parser)
     add_upstream_tls_options(parser)
-    add_listener_tls_options(parser, served="the Envoys' calls (with --listen)")
+    # Its own variables: a picker sharing the service's environment serves plaintext unless told.
+    add_listener_tls_options(parser, "the Envoys' calls (with --listen)", env_prefix="PICKER_")
     add_balance_factor_option(parser)
     return parser
 

@@ -17,6 +17,7 @@ import yaml
 
 from facade import envoy_config, render
 from facade.balancing import PrefixAffinity
+from facade.picker import server as picker_server
 from facade.pools import Pool
 from facade.tls import UpstreamTls, listener_tls, upstream_tls
 from service.settings import KeepaliveSettings, TlsSettings
@@ -104,24 +105,29 @@ def test_envoy_speaks_tls_on_its_listener_and_to_every_replica(tmp_path: Path, p
 
 
 @pytest.mark.parametrize(
-    ("host", "san_type"), [("llm-completions-picker", "DNS"), ("127.0.0.1", "IP_ADDRESS")]
+    ("host", "san_type", "san"),
+    [
+        ("llm-completions-picker", "DNS", "llm-completions-picker"),
+        ("127.0.0.1", "IP_ADDRESS", "127.0.0.1"),
+        ("0:0::1", "IP_ADDRESS", "::1"),  # as Envoy writes an IP it compares
+    ],
 )
 def test_envoy_reaches_a_shared_picker_over_tls_that_names_its_host(
-    tmp_path: Path, host: str, san_type: str
+    tmp_path: Path, host: str, san_type: str, san: str
 ) -> None:
     authority, pair = pki(tmp_path)
     config = render.render_config(8080, 9901, [("127.0.0.1", 1), ("127.0.0.1", 2)])
     render.configure_routing(config, [], "", PrefixAffinity(), (host, 50061))
     picker_tls = UpstreamTls(authority.cert_file, pair.cert_file, pair.key_file)
-    render.apply_tls(config, None, None, tmp_path, picker_tls)
+    render.apply_tls(config, None, None, tmp_path, (picker_tls, (host, 50061)))
     picker = envoy_config.cluster_named(config, envoy_config.PICKER_CLUSTER)
     typed = picker["transport_socket"]["typed_config"]
     assert typed.get("sni") == (host if san_type == "DNS" else None)
     context = typed["common_tls_context"]
     assert context["alpn_protocols"] == ["h2"]
     validation = context["combined_validation_context"]
-    (san,) = validation["default_validation_context"]["match_typed_subject_alt_names"]
-    assert san == {"san_type": san_type, "matcher": {"exact": host}}
+    (matcher,) = validation["default_validation_context"]["match_typed_subject_alt_names"]
+    assert matcher == {"san_type": san_type, "matcher": {"exact": san}}
     ca = validation["validation_context_sds_secret_config"]["sds_config"]["path_config_source"]
     (sds,) = context["tls_certificate_sds_secret_configs"]
     certificate = sds["sds_config"]["path_config_source"]
@@ -134,23 +140,48 @@ def test_envoy_reaches_a_shared_picker_over_tls_that_names_its_host(
 
 
 @pytest.mark.parametrize(
-    ("argv", "message"),
+    ("argv", "env", "message"),
     [
-        (["--picker-ca-file", "ca.crt"], "give --picker too"),
-        (["--picker", "127.0.0.1:1", "--picker-cert-file", "c.crt"], "need --picker-ca-file"),
+        (["--picker-ca-file", "ca.crt"], {}, "give --picker too"),
+        ([], {"PICKER_CA_FILE": "ca.crt"}, "give --picker too"),
+        (["--picker", "127.0.0.1:1", "--picker-cert-file", "c.crt"], {}, "need --picker-ca-file"),
+        (
+            ["--picker", "127.0.0.1:1", "--picker-ca-file", "ca.crt", "--picker-key-file", "c.crt"],
+            {},
+            "--picker-cert-file and --picker-key-file go together",
+        ),
     ],
 )
 def test_tls_to_a_shared_picker_needs_the_picker_and_its_ca(
-    tmp_path: Path, argv: list[str], message: str
+    tmp_path: Path, argv: list[str], env: dict[str, str], message: str
 ) -> None:
     authority, _ = pki(tmp_path)
     for name in ("ca.crt", "c.crt"):
         (tmp_path / name).write_bytes(authority.cert_file.read_bytes())
+    ours = ("PICKER", "TLS_", "UPSTREAM_", "BALANCE", "POOLS")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(ours)}
     result = subprocess.run(
-        [sys.executable, "-m", "facade.launch", *argv], capture_output=True, text=True, cwd=tmp_path
+        [sys.executable, "-m", "facade.launch", *argv],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**clean, **env},
+        timeout=60,  # a refusal that regressed would start Envoy
     )
     assert result.returncode == 2
     assert message in result.stderr
+
+
+def test_a_shared_picker_reads_its_own_tls_variables_not_the_services(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("TLS_CERT_FILE", str(tmp_path / "service.crt"))
+    assert (
+        picker_server.build_parser().parse_args(["--listen", "127.0.0.1:1"]).tls_cert_file is None
+    )
+    monkeypatch.setenv("PICKER_TLS_CERT_FILE", str(tmp_path / "picker.crt"))
+    args = picker_server.build_parser().parse_args(["--listen", "127.0.0.1:1"])
+    assert args.tls_cert_file == tmp_path / "picker.crt"
 
 
 def test_envoy_reads_each_certificate_from_a_watched_secret_file(tmp_path: Path) -> None:
