@@ -116,6 +116,13 @@ def set_endpoints(cluster: dict[str, Any], addresses: Sequence[tuple[str, int]])
     ]
 
 
+def cluster_addresses(cluster: dict[str, Any]) -> list[Address]:
+    """The addresses set_endpoints gave a cluster."""
+    endpoints = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    addresses = (endpoint["endpoint"]["address"]["socket_address"] for endpoint in endpoints)
+    return [(address["address"], address["port_value"]) for address in addresses]
+
+
 def pool_cluster(
     template: dict[str, Any], name: str, addresses: Sequence[tuple[str, int]]
 ) -> dict[str, Any]:
@@ -230,7 +237,8 @@ def apply_tls(
         chain["transport_socket"] = listener_transport_socket(listener, directory)
     if upstream is not None:
         for cluster in replica_clusters(config):
-            cluster["transport_socket"] = upstream_transport_socket(upstream, directory)
+            hosts = [host for host, _ in cluster_addresses(cluster)]
+            cluster["transport_socket"] = upstream_transport_socket(upstream, directory, hosts)
     if picker is not None:
         tls, (host, _) = picker
         cluster_named(config, PICKER_CLUSTER)["transport_socket"] = named_server_transport_socket(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -176,16 +176,30 @@ def listener_transport_socket(tls: TlsSettings, directory: Path) -> dict[str, An
     }
 
 
+def san_matcher(host: str) -> dict[str, Any]:
+    """A certificate's subject alternative name that is `host`: a DNS name, or an IP (which
+    Envoy compares in its canonical text: ::1, not 0:0::1)."""
+    if is_ip_address(host):
+        return {"san_type": "IP_ADDRESS", "matcher": {"exact": str(ipaddress.ip_address(host))}}
+    return {"san_type": "DNS", "matcher": {"exact": host}}
+
+
 def upstream_transport_socket(
-    tls: UpstreamTls, directory: Path, name: str = "upstream"
+    tls: UpstreamTls, directory: Path, hosts: Sequence[str], name: str = "upstream"
 ) -> dict[str, Any]:
-    """TLS to the replicas (requests and health checks), HTTP/2 by ALPN; its secrets' files are
-    named after `name`."""
+    """TLS to the servers of a cluster known by `hosts` (names or IPs), HTTP/2 by ALPN: a
+    server's certificate must be signed by the CA and name one of the hosts, as a gRPC client
+    checks it names the one it dials. Its secrets' files are named after `name`."""
     context: dict[str, Any] = {
         "alpn_protocols": ["h2"],
-        "validation_context_sds_secret_config": write_secret(
-            directory, f"{name}_ca", ca_secret(tls.ca_file)
-        ),
+        "combined_validation_context": {
+            "default_validation_context": {
+                "match_typed_subject_alt_names": [san_matcher(h) for h in dict.fromkeys(hosts)]
+            },
+            "validation_context_sds_secret_config": write_secret(
+                directory, f"{name}_ca", ca_secret(tls.ca_file)
+            ),
+        },
     }
     if tls.cert_file is not None and tls.key_file is not None:
         context["tls_certificate_sds_secret_configs"] = [
@@ -204,20 +218,9 @@ def upstream_transport_socket(
 def named_server_transport_socket(
     tls: UpstreamTls, directory: Path, name: str, host: str
 ) -> dict[str, Any]:
-    """TLS to one server known by `host` (a name or an IP): its certificate must be signed by
-    the CA and name that host, as a gRPC client checks it; a name is also sent as SNI."""
-    socket = upstream_transport_socket(tls, directory, name)
-    typed = socket["typed_config"]
-    context = typed["common_tls_context"]
-    san_type = "IP_ADDRESS" if is_ip_address(host) else "DNS"
-    # Envoy compares an IP SAN in its canonical text (::1, not 0:0::1).
-    san = str(ipaddress.ip_address(host)) if san_type == "IP_ADDRESS" else host
-    context["combined_validation_context"] = {
-        "default_validation_context": {
-            "match_typed_subject_alt_names": [{"san_type": san_type, "matcher": {"exact": san}}]
-        },
-        "validation_context_sds_secret_config": context.pop("validation_context_sds_secret_config"),
-    }
-    if san_type == "DNS":
-        typed["sni"] = host
+    """TLS to one server known by `host`, whose certificate must name it; a name is also sent
+    as SNI."""
+    socket = upstream_transport_socket(tls, directory, [host], name)
+    if not is_ip_address(host):
+        socket["typed_config"]["sni"] = host
     return socket

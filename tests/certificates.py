@@ -59,8 +59,15 @@ class CertificateAuthority:
         self.cert_file = directory / f"{common_name.replace(' ', '-')}.crt"
         self.cert_file.write_bytes(self.certificate.public_bytes(serialization.Encoding.PEM))
 
-    def issue(self, file_stem: str, common_name: str, server: bool, by_ip: bool = True) -> KeyPair:
-        """A certificate for a server on loopback (localhost, and 127.0.0.1 unless not
+    def issue(
+        self,
+        file_stem: str,
+        common_name: str,
+        server: bool,
+        by_ip: bool = True,
+        dns_name: str = "localhost",
+    ) -> KeyPair:
+        """A certificate for a server on loopback (`dns_name`, and 127.0.0.1 unless not
         `by_ip`) or a client."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.timezone.utc)
@@ -83,7 +90,7 @@ class CertificateAuthority:
             builder = builder.add_extension(
                 x509.SubjectAlternativeName(
                     [
-                        x509.DNSName("localhost"),
+                        x509.DNSName(dns_name),
                         *([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))] if by_ip else []),
                     ]
                 ),
@@ -93,8 +100,10 @@ class CertificateAuthority:
         write_pem(path, builder.sign(self.key, hashes.SHA256()), key)
         return KeyPair(path.with_suffix(".crt"), path.with_suffix(".key"))
 
-    def server(self, file_stem: str = "server", by_ip: bool = True) -> KeyPair:
-        return self.issue(file_stem, "llm-completions replica", server=True, by_ip=by_ip)
+    def server(
+        self, file_stem: str = "server", by_ip: bool = True, dns_name: str = "localhost"
+    ) -> KeyPair:
+        return self.issue(file_stem, "llm-completions replica", True, by_ip, dns_name)
 
     def client(self, file_stem: str = "client") -> KeyPair:
         return self.issue(file_stem, "llm-completions caller", server=False)

@@ -1,11 +1,13 @@
 """TLS on every hop, with certificates made here: callers reach the replica over mutual TLS
 (native gRPC, health, reflection) and Envoy over TLS (REST and gRPC); Envoy reaches the replica
-over mutual TLS, health checks included; a caller without a trusted client certificate is
-refused; certificates renamed into place are used without a restart. Tests run in file order;
+over mutual TLS, health checks included, and refuses a replica whose certificate names another
+host; a caller without a trusted client certificate is refused; certificates renamed into place
+are used without a restart. Tests run in file order;
 the last one rotates the certificates."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import ssl
 import subprocess
@@ -13,6 +15,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -20,7 +23,7 @@ from typing import TypeVar
 import grpc
 import httpx
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from llmcompletions.client import CompletionClient, Tls
 from llmcompletions.v2 import completions_pb2_grpc
 
@@ -32,7 +35,7 @@ from service.settings import TlsSettings
 from tests.certificates import CertificateAuthority, KeyPair
 from tests.conftest import ENGINE_START_TIMEOUT, MODEL, SMALL_ENGINE
 from tests.helpers import CAPITAL_PROMPT, body, grpc_request
-from tests.processes import TestStack, free_port
+from tests.processes import TestStack, free_port, healthy_upstreams
 
 T = TypeVar("T")
 GRPCURL = Path(sys.executable).parent / "grpcurl"
@@ -215,6 +218,61 @@ def test_envoy_reaches_the_replica_and_health_checks_it_over_mutual_tls(
     assert stats["cluster.completion_service.ssl.handshake"] >= 1
     assert stats["cluster.completion_service.health_check.success"] >= 1
     assert stats["cluster.completion_service.ssl.connection_error"] == 0
+
+
+@contextlib.contextmanager
+def health_server(pair: KeyPair) -> Iterator[int]:
+    """A gRPC health service over TLS with `pair`, SERVING, as a replica answers Envoy's checks;
+    its port."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    credentials = grpc.ssl_server_credentials(
+        [(pair.key_file.read_bytes(), pair.cert_file.read_bytes())]
+    )
+    port = server.add_secure_port(f"127.0.0.1:{free_port()}", credentials)
+    server.start()
+    try:
+        yield port
+    finally:
+        server.stop(grace=None)
+
+
+def refusals(admin_url: str) -> int:
+    """How many replica certificates Envoy refused for naming another host."""
+    stat = "^cluster.completion_service.ssl.fail_verify_san$"
+    try:
+        reply = httpx.get(f"{admin_url}/stats", params={"filter": stat}, timeout=5)
+    except httpx.HTTPError:
+        return 0  # Envoy not up yet
+    return sum(int(line.rpartition(": ")[2]) for line in reply.text.splitlines() if line)
+
+
+@pytest.mark.parametrize("named", ["localhost", "elsewhere.test"])
+def test_envoy_trusts_a_replica_only_with_a_certificate_for_its_host(
+    pki: Pki, tmp_path: Path, named: str
+) -> None:
+    pair = pki.servers.server(f"named-{named}", by_ip=False, dns_name=named)
+    http_port, admin_port = free_port(), free_port()
+    admin_url = f"http://127.0.0.1:{admin_port}"
+    with health_server(pair) as port:
+        command = [sys.executable, "-m", "facade.launch", "--upstream", f"localhost:{port}"]
+        command += ["--http-port", str(http_port), "--admin-port", str(admin_port)]
+        command += ["--upstream-ca-file", str(pki.servers.cert_file)]
+        envoy = subprocess.Popen(command, cwd=tmp_path)
+        try:
+            # Envoy checks health every 2 s over TLS: the first check decides.
+            deadline = time.monotonic() + 30
+            while not (healthy_upstreams(admin_url, "completion_service") or refusals(admin_url)):
+                assert time.monotonic() < deadline, "Envoy neither trusted nor refused it"
+                time.sleep(0.5)
+            trusted = bool(healthy_upstreams(admin_url, "completion_service"))
+            assert (trusted, refusals(admin_url) > 0) == (
+                named == "localhost",
+                named != "localhost",
+            )
+        finally:
+            envoy.terminate()
+            envoy.wait(timeout=30)
 
 
 def test_envoy_can_require_client_certificates(tls_stack: TestStack, pki: Pki) -> None:

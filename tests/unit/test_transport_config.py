@@ -100,8 +100,26 @@ def test_envoy_speaks_tls_on_its_listener_and_to_every_replica(tmp_path: Path, p
         context = cluster["transport_socket"]["typed_config"]["common_tls_context"]
         assert context["alpn_protocols"] == ["h2"]
         assert "tls_certificate_sds_secret_configs" in context  # Envoy's client certificate
+        validation = context["combined_validation_context"]["default_validation_context"]
+        ip = {"san_type": "IP_ADDRESS", "matcher": {"exact": "127.0.0.1"}}
+        assert validation["match_typed_subject_alt_names"] == [ip]
     aggregate = [c for c in config["static_resources"]["clusters"] if c not in replicas]
     assert all("transport_socket" not in cluster for cluster in aggregate)
+
+
+def test_a_replicas_certificate_must_name_a_host_of_its_pool(tmp_path: Path) -> None:
+    authority, _ = pki(tmp_path)
+    addresses = [("replica-a", 50051), ("replica-b", 50051), ("0:0::5", 50051), ("replica-a", 2)]
+    config = render.render_config(8080, 9901, addresses)
+    render.apply_tls(config, None, UpstreamTls(authority.cert_file), tmp_path)
+    (cluster,) = envoy_config.replica_clusters(config)
+    context = cluster["transport_socket"]["typed_config"]["common_tls_context"]
+    validation = context["combined_validation_context"]["default_validation_context"]
+    assert validation["match_typed_subject_alt_names"] == [
+        {"san_type": "DNS", "matcher": {"exact": "replica-a"}},
+        {"san_type": "DNS", "matcher": {"exact": "replica-b"}},
+        {"san_type": "IP_ADDRESS", "matcher": {"exact": "::5"}},
+    ]
 
 
 @pytest.mark.parametrize(
