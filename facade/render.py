@@ -231,7 +231,8 @@ def apply_tls(
     picker: tuple[UpstreamTls, Address] | None = None,
 ) -> None:
     """TLS on the listener, on every cluster of replicas (health checks use it too) and to
-    the shared picker at its address, if given."""
+    the shared picker at its address, if given. After configure_routing: each cluster's
+    replicas are its own by then (a pool's, not the template's)."""
     if listener is not None:
         chain = config["static_resources"]["listeners"][0]["filter_chains"][0]
         chain["transport_socket"] = listener_transport_socket(listener, directory)

@@ -63,8 +63,10 @@ def grpc_channel(target: str, tls: UpstreamTls | None) -> grpc.Channel:
 
 
 def absolute(path: Path) -> Path:
-    """Envoy runs from another directory, and watches the certificate's directory."""
-    return path.expanduser().resolve()
+    """Envoy runs from another directory, and watches the certificate's directory: the one
+    the path names, links not followed (a mounted Kubernetes Secret links each file through
+    `..data` to a directory that the next update replaces)."""
+    return path.expanduser().absolute()
 
 
 def optional(path: Path | None) -> Path | None:
@@ -184,17 +186,22 @@ def san_matcher(host: str) -> dict[str, Any]:
     return {"san_type": "DNS", "matcher": {"exact": host}}
 
 
+def unique(matchers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [m for i, m in enumerate(matchers) if m not in matchers[:i]]
+
+
 def upstream_transport_socket(
     tls: UpstreamTls, directory: Path, hosts: Sequence[str], name: str = "upstream"
 ) -> dict[str, Any]:
     """TLS to the servers of a cluster known by `hosts` (names or IPs), HTTP/2 by ALPN: a
-    server's certificate must be signed by the CA and name one of the hosts, as a gRPC client
-    checks it names the one it dials. Its secrets' files are named after `name`."""
+    server's certificate must be signed by the CA and name one of the hosts (a gRPC client
+    checks it names the very host it dials; Envoy checks per cluster). Its secrets' files are
+    named after `name`."""
     context: dict[str, Any] = {
         "alpn_protocols": ["h2"],
         "combined_validation_context": {
             "default_validation_context": {
-                "match_typed_subject_alt_names": [san_matcher(h) for h in dict.fromkeys(hosts)]
+                "match_typed_subject_alt_names": unique([san_matcher(h) for h in hosts])
             },
             "validation_context_sds_secret_config": write_secret(
                 directory, f"{name}_ca", ca_secret(tls.ca_file)

@@ -81,6 +81,13 @@ def healthy_upstreams(admin_url: str, cluster: str) -> set[str]:
     return {host for host, replica in hosts.items() if replica.healthy}
 
 
+def clean_environment(**settings: str) -> dict[str, str]:
+    """This process's environment without the variables that set the facade's TLS, pools,
+    balancing or picker (a test says what it tests), plus `settings`."""
+    ours = ("TLS_", "UPSTREAM_", "PICKER", "POOLS", "BALANCE", "GRPC_PORT")
+    return {**{k: v for k, v in os.environ.items() if not k.startswith(ours)}, **settings}
+
+
 def port_open(port: int) -> bool:
     """Whether something accepts connections on the loopback port."""
     with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):

@@ -1,14 +1,15 @@
 """TLS on every hop, with certificates made here: callers reach the replica over mutual TLS
 (native gRPC, health, reflection) and Envoy over TLS (REST and gRPC); Envoy reaches the replica
 over mutual TLS, health checks included, and refuses a replica whose certificate names another
-host; a caller without a trusted client certificate is refused; certificates renamed into place
-are used without a restart. Tests run in file order;
-the last one rotates the certificates."""
+host; a caller without a trusted client certificate is refused; certificates updated as the
+kubelet updates a mounted Secret are used without a restart. Tests run in file order; the last
+one rotates the certificates."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import ssl
 import subprocess
 import sys
@@ -35,7 +36,7 @@ from service.settings import TlsSettings
 from tests.certificates import CertificateAuthority, KeyPair
 from tests.conftest import ENGINE_START_TIMEOUT, MODEL, SMALL_ENGINE
 from tests.helpers import CAPITAL_PROMPT, body, grpc_request
-from tests.processes import TestStack, free_port, healthy_upstreams
+from tests.processes import TestStack, clean_environment, free_port, healthy_upstreams
 
 T = TypeVar("T")
 GRPCURL = Path(sys.executable).parent / "grpcurl"
@@ -58,6 +59,26 @@ class Pki:
         return Tls(ca_file or self.servers.cert_file, self.caller.cert_file, self.caller.key_file)
 
 
+def mount_secret(directory: Path, pair: KeyPair, version: str) -> None:
+    """`pair` as server.crt and server.key in `directory`, as the kubelet mounts and updates a
+    Secret: the files in a directory of their own, `..data` linked to it (an update links it to
+    the next one at once, then removes the old), each file's name linked through `..data`."""
+    files = directory / f"..{version}"
+    files.mkdir()
+    for path in (pair.cert_file, pair.key_file):
+        path.rename(files / f"server{path.suffix}")
+    data = directory / "..data"
+    previous = data.resolve() if data.exists() else None
+    staged = directory / "..data_tmp"
+    staged.symlink_to(files.name)
+    os.replace(staged, data)
+    for name in ("server.crt", "server.key"):
+        if not (directory / name).is_symlink():
+            (directory / name).symlink_to(f"..data/{name}")
+    if previous is not None:
+        shutil.rmtree(previous)
+
+
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     directory = tmp_path_factory.mktemp("pki")
@@ -69,9 +90,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     strangers = CertificateAuthority(directory, "strangers CA")
     trusted = directory / "trusted-servers.crt"
     trusted.write_bytes(servers.cert_file.read_bytes() + next_servers.cert_file.read_bytes())
-    server = servers.server("server")
-    for path in (server.cert_file, server.key_file):
-        path.rename(served / path.name)
+    mount_secret(served, servers.server("server"), "v1")
     return Pki(
         directory=directory,
         servers=servers,
@@ -258,11 +277,12 @@ def test_envoy_trusts_a_replica_only_with_a_certificate_for_its_host(
         command = [sys.executable, "-m", "facade.launch", "--upstream", f"localhost:{port}"]
         command += ["--http-port", str(http_port), "--admin-port", str(admin_port)]
         command += ["--upstream-ca-file", str(pki.servers.cert_file)]
-        envoy = subprocess.Popen(command, cwd=tmp_path)
+        envoy = subprocess.Popen(command, cwd=tmp_path, env=clean_environment())
         try:
             # Envoy checks health every 2 s over TLS: the first check decides.
             deadline = time.monotonic() + 30
             while not (healthy_upstreams(admin_url, "completion_service") or refusals(admin_url)):
+                assert envoy.poll() is None, f"Envoy exited ({envoy.returncode})"
                 assert time.monotonic() < deadline, "Envoy neither trusted nor refused it"
                 time.sleep(0.5)
             trusted = bool(healthy_upstreams(admin_url, "completion_service"))
@@ -312,10 +332,7 @@ def eventually(attempt: Callable[[], T], timeout: float = 10.0) -> T:
 
 def test_rotated_certificates_are_used_without_a_restart(tls_stack: TestStack, pki: Pki) -> None:
     before = tls_stack.processes[0].pid
-    rotated = pki.next_servers.server("rotated")
-    # As Kubernetes updates a mounted Secret: new files renamed over the old ones.
-    os.replace(rotated.key_file, pki.server.key_file)
-    os.replace(rotated.cert_file, pki.server.cert_file)
+    mount_secret(pki.server.cert_file.parent, pki.next_servers.server("rotated"), "v2")
     new_ca = pki.next_servers.cert_file
     status = eventually(lambda: grpc_health(tls_stack.grpc_target, credentials(new_ca, pki.caller)))
     assert status == health_pb2.HealthCheckResponse.SERVING

@@ -60,10 +60,12 @@ def tls_settings(
         return None
     if cert_file is None or key_file is None:
         raise CertificateError("--tls-cert-file and --tls-key-file go together: give both")
+    # Links are not followed: a mounted Kubernetes Secret links each file through `..data` to
+    # a directory that the next update replaces, and the files are read again by their path.
     settings = TlsSettings(
-        cert_file.expanduser().resolve(),
-        key_file.expanduser().resolve(),
-        None if client_ca_file is None else client_ca_file.expanduser().resolve(),
+        cert_file.expanduser().absolute(),
+        key_file.expanduser().absolute(),
+        None if client_ca_file is None else client_ca_file.expanduser().absolute(),
     )
     check_files(settings)
     return settings

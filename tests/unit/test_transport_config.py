@@ -24,6 +24,7 @@ from service.settings import KeepaliveSettings, TlsSettings
 from service.transport.keepalive import server_options
 from service.transport.tls import ReloadingCertificates
 from tests.certificates import CertificateAuthority, KeyPair
+from tests.processes import clean_environment
 
 
 def test_the_server_accepts_pings_every_5s_and_never_goaways_them() -> None:
@@ -107,19 +108,40 @@ def test_envoy_speaks_tls_on_its_listener_and_to_every_replica(tmp_path: Path, p
     assert all("transport_socket" not in cluster for cluster in aggregate)
 
 
+def subject_names(cluster: dict[str, Any]) -> list[tuple[str, str]]:
+    context = cluster["transport_socket"]["typed_config"]["common_tls_context"]
+    validation = context["combined_validation_context"]["default_validation_context"]
+    return [
+        (m["san_type"], m["matcher"]["exact"]) for m in validation["match_typed_subject_alt_names"]
+    ]
+
+
 def test_a_replicas_certificate_must_name_a_host_of_its_pool(tmp_path: Path) -> None:
     authority, _ = pki(tmp_path)
-    addresses = [("replica-a", 50051), ("replica-b", 50051), ("0:0::5", 50051), ("replica-a", 2)]
+    addresses = [("replica-a", 1), ("replica-b", 1), ("0:0::5", 1), ("::5", 2), ("replica-a", 2)]
     config = render.render_config(8080, 9901, addresses)
     render.apply_tls(config, None, UpstreamTls(authority.cert_file), tmp_path)
     (cluster,) = envoy_config.replica_clusters(config)
-    context = cluster["transport_socket"]["typed_config"]["common_tls_context"]
-    validation = context["combined_validation_context"]["default_validation_context"]
-    assert validation["match_typed_subject_alt_names"] == [
-        {"san_type": "DNS", "matcher": {"exact": "replica-a"}},
-        {"san_type": "DNS", "matcher": {"exact": "replica-b"}},
-        {"san_type": "IP_ADDRESS", "matcher": {"exact": "::5"}},
+    assert subject_names(cluster) == [
+        ("DNS", "replica-a"),
+        ("DNS", "replica-b"),
+        ("IP_ADDRESS", "::5"),
     ]
+
+
+def test_each_pool_and_its_twin_name_their_own_hosts(tmp_path: Path) -> None:
+    authority, _ = pki(tmp_path)
+    config = render.render_config(8080, 9901, [("127.0.0.1", 50051)])
+    pools = [Pool("a", (("10.0.0.1", 1),), ("a",)), Pool("b", (("pool-b.test", 1),), ("b",))]
+    render.configure_routing(config, pools, "", PrefixAffinity())
+    render.apply_tls(config, None, UpstreamTls(authority.cert_file), tmp_path)
+    names = {c["name"]: subject_names(c) for c in envoy_config.replica_clusters(config)}
+    assert names == {
+        "pool_a": [("IP_ADDRESS", "10.0.0.1")],
+        "pool_a_prefix": [("IP_ADDRESS", "10.0.0.1")],
+        "pool_b": [("DNS", "pool-b.test")],
+        "pool_b_prefix": [("DNS", "pool-b.test")],
+    }
 
 
 @pytest.mark.parametrize(
@@ -176,14 +198,12 @@ def test_tls_to_a_shared_picker_needs_the_picker_and_its_ca(
     authority, _ = pki(tmp_path)
     for name in ("ca.crt", "c.crt"):
         (tmp_path / name).write_bytes(authority.cert_file.read_bytes())
-    ours = ("PICKER", "TLS_", "UPSTREAM_", "BALANCE", "POOLS")
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(ours)}
     result = subprocess.run(
         [sys.executable, "-m", "facade.launch", *argv],
         capture_output=True,
         text=True,
         cwd=tmp_path,
-        env={**clean, **env},
+        env=clean_environment(**env),
         timeout=60,  # a refusal that regressed would start Envoy
     )
     assert result.returncode == 2
