@@ -18,12 +18,16 @@ def parse_address(text: str) -> Address:
     return host, int(port)
 
 
-def is_ip_address(host: str) -> bool:
+def canonical_ip(host: str) -> str | None:
+    """`host` as Envoy writes an IP (::1, not 0:0::1); None for a name."""
     try:
-        ipaddress.ip_address(host)
+        return str(ipaddress.ip_address(host))
     except ValueError:
-        return False
-    return True
+        return None
+
+
+def is_ip_address(host: str) -> bool:
+    return canonical_ip(host) is not None
 
 
 def host_name(ip: str, port: int) -> str:
@@ -36,10 +40,9 @@ def resolve(address: Address) -> list[str]:
     resolves to, IPv4 first (the replica clusters' dns_lookup_family); [] if it resolves to
     none for now."""
     host, port = address
-    try:
-        return [host_name(str(ipaddress.ip_address(host)), port)]  # as Envoy writes it
-    except ValueError:
-        pass  # a name
+    ip = canonical_ip(host)
+    if ip is not None:
+        return [host_name(ip, port)]
     for family in (socket.AF_INET, socket.AF_INET6):
         try:
             found = socket.getaddrinfo(host, port, family, socket.SOCK_STREAM)

@@ -11,7 +11,6 @@ mounted Secret, or `mv new.crt server.crt`) are loaded for new connections witho
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -21,9 +20,9 @@ from typing import Any
 import grpc
 import yaml
 
-from facade.addresses import is_ip_address
+from facade.addresses import canonical_ip, is_ip_address
 from service.settings import TlsSettings
-from service.transport.tls import CertificateError, tls_settings
+from service.transport.tls import CertificateError, absolute, tls_settings
 
 TLS_SOCKET = "envoy.transport_sockets.tls"
 TLS_TYPES = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3."
@@ -60,13 +59,6 @@ def grpc_channel(target: str, tls: UpstreamTls | None) -> grpc.Channel:
     if tls is None:
         return grpc.insecure_channel(target)
     return grpc.secure_channel(target, tls.channel_credentials())
-
-
-def absolute(path: Path) -> Path:
-    """Envoy runs from another directory, and watches the certificate's directory: the one
-    the path names, links not followed (a mounted Kubernetes Secret links each file through
-    `..data` to a directory that the next update replaces)."""
-    return path.expanduser().absolute()
 
 
 def optional(path: Path | None) -> Path | None:
@@ -178,16 +170,14 @@ def listener_transport_socket(tls: TlsSettings, directory: Path) -> dict[str, An
     }
 
 
-def san_matcher(host: str) -> dict[str, Any]:
-    """A certificate's subject alternative name that is `host`: a DNS name, or an IP (which
-    Envoy compares in its canonical text: ::1, not 0:0::1)."""
-    if is_ip_address(host):
-        return {"san_type": "IP_ADDRESS", "matcher": {"exact": str(ipaddress.ip_address(host))}}
-    return {"san_type": "DNS", "matcher": {"exact": host}}
-
-
-def unique(matchers: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [m for i, m in enumerate(matchers) if m not in matchers[:i]]
+def san_matchers(hosts: Sequence[str]) -> list[dict[str, Any]]:
+    """The subject alternative names that are `hosts`, each once: DNS names, or IPs in the
+    canonical text Envoy compares."""
+    names = {canonical_ip(host) or host: is_ip_address(host) for host in hosts}
+    return [
+        {"san_type": "IP_ADDRESS" if ip else "DNS", "matcher": {"exact": name}}
+        for name, ip in names.items()
+    ]
 
 
 def upstream_transport_socket(
@@ -200,9 +190,7 @@ def upstream_transport_socket(
     context: dict[str, Any] = {
         "alpn_protocols": ["h2"],
         "combined_validation_context": {
-            "default_validation_context": {
-                "match_typed_subject_alt_names": unique([san_matcher(h) for h in hosts])
-            },
+            "default_validation_context": {"match_typed_subject_alt_names": san_matchers(hosts)},
             "validation_context_sds_secret_config": write_secret(
                 directory, f"{name}_ca", ca_secret(tls.ca_file)
             ),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -68,6 +69,17 @@ def free_port() -> int:
 def lua_errors(admin_url: str) -> int:
     """Envoy's count of errors raised by its Lua filters' scripts."""
     stats = httpx.get(f"{admin_url}/stats", params={"filter": r"\.lua\.errors$"}, timeout=10)
+    return sum(int(line.rpartition(": ")[2]) for line in stats.text.splitlines() if line)
+
+
+def envoy_counter(admin_url: str, name: str) -> int:
+    """An Envoy counter by its full name, e.g. cluster.replica_picker.upstream_cx_total (0
+    while Envoy does not answer yet)."""
+    name_only = f"^{re.escape(name)}$"
+    try:
+        stats = httpx.get(f"{admin_url}/stats", params={"filter": name_only}, timeout=5)
+    except httpx.HTTPError:
+        return 0
     return sum(int(line.rpartition(": ")[2]) for line in stats.text.splitlines() if line)
 
 

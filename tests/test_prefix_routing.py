@@ -44,6 +44,7 @@ from tests.helpers import body, grpc_request
 from tests.metrics import engine_block_tokens
 from tests.processes import (
     TestStack,
+    envoy_counter,
     free_port,
     healthy_upstreams,
     lua_errors,
@@ -507,10 +508,7 @@ def picks_made(fleet: Fleet, calls: int = 6) -> int:
 
 def picker_stat(fleet: Fleet, name: str) -> int:
     """A counter of Envoy's cluster of the picker."""
-    stat = f"cluster.replica_picker.{name}"
-    reply = httpx.get(f"{fleet.admin_url}/stats", params={"filter": f"^{stat}$"}, timeout=5)
-    (line,) = reply.text.splitlines()
-    return int(line.split(": ")[1])
+    return envoy_counter(fleet.admin_url, f"cluster.replica_picker.{name}")
 
 
 def test_envoy_reaches_a_shared_picker_over_mutual_tls(fleet: Fleet, tmp_path: Path) -> None:

@@ -36,7 +36,13 @@ from service.settings import TlsSettings
 from tests.certificates import CertificateAuthority, KeyPair
 from tests.conftest import ENGINE_START_TIMEOUT, MODEL, SMALL_ENGINE
 from tests.helpers import CAPITAL_PROMPT, body, grpc_request
-from tests.processes import TestStack, clean_environment, free_port, healthy_upstreams
+from tests.processes import (
+    TestStack,
+    clean_environment,
+    envoy_counter,
+    free_port,
+    healthy_upstreams,
+)
 
 T = TypeVar("T")
 GRPCURL = Path(sys.executable).parent / "grpcurl"
@@ -258,12 +264,7 @@ def health_server(pair: KeyPair) -> Iterator[int]:
 
 def refusals(admin_url: str) -> int:
     """How many replica certificates Envoy refused for naming another host."""
-    stat = "^cluster.completion_service.ssl.fail_verify_san$"
-    try:
-        reply = httpx.get(f"{admin_url}/stats", params={"filter": stat}, timeout=5)
-    except httpx.HTTPError:
-        return 0  # Envoy not up yet
-    return sum(int(line.rpartition(": ")[2]) for line in reply.text.splitlines() if line)
+    return envoy_counter(admin_url, "cluster.completion_service.ssl.fail_verify_san")
 
 
 @pytest.mark.parametrize("named", ["localhost", "elsewhere.test"])

@@ -49,6 +49,13 @@ def check_files(settings: TlsSettings) -> None:
             ) from error
 
 
+def absolute(path: Path) -> Path:
+    """The path from the root, links not followed: a mounted Kubernetes Secret links each file
+    through `..data` to a directory that the next update replaces, so files are read again, and
+    their directory watched (Envoy), by the path given."""
+    return path.expanduser().absolute()
+
+
 def tls_settings(
     cert_file: Path | None, key_file: Path | None, client_ca_file: Path | None
 ) -> TlsSettings | None:
@@ -60,12 +67,10 @@ def tls_settings(
         return None
     if cert_file is None or key_file is None:
         raise CertificateError("--tls-cert-file and --tls-key-file go together: give both")
-    # Links are not followed: a mounted Kubernetes Secret links each file through `..data` to
-    # a directory that the next update replaces, and the files are read again by their path.
     settings = TlsSettings(
-        cert_file.expanduser().absolute(),
-        key_file.expanduser().absolute(),
-        None if client_ca_file is None else client_ca_file.expanduser().absolute(),
+        absolute(cert_file),
+        absolute(key_file),
+        None if client_ca_file is None else absolute(client_ca_file),
     )
     check_files(settings)
     return settings
