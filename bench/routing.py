@@ -305,7 +305,6 @@ def fleet_running(
                 *("--model", str(model_dir), "--served-model-name", DEFAULT_SERVED_MODEL_NAME),
                 *("--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-gib", str(kv_cache_gib)),
                 *("--cpu-cores", str(core), "--metrics-port", str(metrics_ports[core])),
-                *("--max-in-flight", "64", "--max-waiting", "256"),
             ],
             service_log=log_dir / f"replica-{core}.log",
         )

@@ -132,10 +132,6 @@ class OurStack:
                 str(ENGINE_ARGS["kv_cache_gib"]),
                 "--metrics-port",
                 str(free_port()),
-                "--max-in-flight",
-                "256",
-                "--max-waiting",
-                "1024",
                 # (b) and (c) send the same prompts to one server: no cache may favour (c).
                 "--engine-args",
                 '{"enable_prefix_caching": false}',
@@ -163,8 +159,6 @@ REPO = Path(__file__).resolve().parent.parent
 MAKE_SERVE_ENV = {
     "KV_CACHE_GIB": "2",
     "MAX_MODEL_LEN": "2048",
-    "MAX_IN_FLIGHT": "1024",
-    "MAX_WAITING": "4096",
 }
 NO_PREFIX_CACHING = {"enable_prefix_caching": False}
 

@@ -119,9 +119,6 @@ VARIANTS: dict[str, Variant] = {
     # The factors, one at a time.
     "LOG_LEVEL=WARNING": Variant(env={"LOG_LEVEL": "WARNING"}),
     "clients unpinned": Variant(pin_clients=False),
-    "MAX_IN_FLIGHT=256 MAX_WAITING=1024": Variant(
-        env={"MAX_IN_FLIGHT": "256", "MAX_WAITING": "1024"}
-    ),
     "test harness": Variant(harness=True),
     "output to /dev/null": Variant(output_discarded=True),
     "servers in the clients' session": Variant(own_sessions=False),

@@ -10,8 +10,9 @@ import json
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+from service.model.capacity import QUEUED_BATCHES, QUEUED_PREFILL_STEPS
 from service.model.default_model import DEFAULT_SERVED_MODEL_NAME
 from service.model.placement import PlacementError, available_cores, parse_core_list
 from service.settings import (
@@ -79,6 +80,20 @@ def positive_float(text: str) -> float:
 
 
 positive_float.__name__ = "float"  # argparse says "invalid float value" for text that is none
+
+
+def add_removed_option(parser: argparse.ArgumentParser, flag: str, env: str, instead: str) -> None:
+    """An option that no longer exists: given as a flag or in the environment, a usage error
+    that says what replaced it."""
+
+    def refuse(_: str) -> NoReturn:
+        raise argparse.ArgumentTypeError(f"was removed, with its env {env}: {instead}")
+
+    refuse.__name__ = "removed"
+    # A text default goes through `type` too, so the environment variable is refused as well.
+    parser.add_argument(
+        flag, default=os.environ.get(env) or None, type=refuse, help=argparse.SUPPRESS
+    )
 
 
 def add_switch(parser: argparse.ArgumentParser, flag: str, env: str, help_text: str) -> None:
@@ -214,6 +229,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         None,
         "mp (one node) or ray (several nodes); unset: vLLM chooses",
     )
+    add_capacity_options(parser)
     add_placement_options(parser)
     add_lora_options(parser, defaults)
     add_option(
@@ -223,6 +239,55 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         {},
         "other vLLM engine arguments as a JSON object",
         json_object,
+    )
+
+
+def add_capacity_options(parser: argparse.ArgumentParser) -> None:
+    """The batch the engine runs and the backlog past which requests are refused (README
+    "Capacity"), with vLLM's names."""
+    add_option(
+        parser,
+        "--max-num-seqs",
+        "MAX_NUM_SEQS",
+        None,
+        "sequences the engine runs at once (per data-parallel rank); unset: vLLM's default "
+        "for the device, as `vllm serve` has it (128 on a CPU, 256 on most GPUs, 1024 on an "
+        "H100/H200)",
+        positive_int,
+    )
+    add_option(
+        parser,
+        "--max-num-queued-reqs",
+        "MAX_NUM_QUEUED_REQS",
+        None,
+        "sequences waiting or running (a request counts prompts x n, best_of or beam width) "
+        f"past which requests are refused with 429; unset: {QUEUED_BATCHES} x the batch",
+        positive_int,
+    )
+    add_option(
+        parser,
+        "--max-num-queued-tokens",
+        "MAX_NUM_QUEUED_TOKENS",
+        None,
+        "prompt tokens waiting to be prefilled at which requests are refused with 429 (a "
+        f"time-to-first-token budget); unset: {QUEUED_PREFILL_STEPS} engine steps' worth "
+        "(x max_num_batched_tokens), and at least max_model_len",
+        positive_int,
+    )
+    add_removed_option(
+        parser,
+        "--max-in-flight",
+        "MAX_IN_FLIGHT",
+        "the engine decides the batch: --max-num-seqs (MAX_NUM_SEQS) caps the sequences it "
+        "runs at once, --max-num-queued-reqs (MAX_NUM_QUEUED_REQS) those waiting or running",
+    )
+    add_removed_option(
+        parser,
+        "--max-waiting",
+        "MAX_WAITING",
+        "requests wait in the engine: --max-num-queued-reqs (MAX_NUM_QUEUED_REQS) bounds the "
+        "sequences waiting or running, --max-num-queued-tokens (MAX_NUM_QUEUED_TOKENS) the "
+        "prompt tokens waiting to be prefilled",
     )
 
 
@@ -300,22 +365,6 @@ def add_lora_options(parser: argparse.ArgumentParser, defaults: dict[str, Any]) 
 def add_limit_options(parser: argparse.ArgumentParser) -> None:
     defaults = RequestLimits()
     server = ServerSettings()
-    add_option(
-        parser,
-        "--max-in-flight",
-        "MAX_IN_FLIGHT",
-        server.max_in_flight,
-        "completion requests served at once",
-        positive_int,
-    )
-    add_option(
-        parser,
-        "--max-waiting",
-        "MAX_WAITING",
-        server.max_waiting,
-        "requests waiting for a turn; past it requests are refused (429)",
-        non_negative_int,
-    )
     add_option(
         parser,
         "--max-prompts",
@@ -476,6 +525,9 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
         data_parallel_size=args.data_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
         scheduling_policy=args.scheduling_policy,
+        max_num_seqs=args.max_num_seqs,
+        max_num_queued_reqs=args.max_num_queued_reqs,
+        max_num_queued_tokens=args.max_num_queued_tokens,
         cpu_cores=args.cpu_cores or (),
         gpu_devices=args.gpu_devices,
         lora_modules=tuple(args.lora_modules),
@@ -495,8 +547,6 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
         log_prompts=args.log_prompts,
-        max_in_flight=args.max_in_flight,
-        max_waiting=args.max_waiting,
         max_message_bytes=args.max_message_bytes,
         limits=RequestLimits(
             max_prompts=args.max_prompts,

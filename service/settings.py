@@ -38,6 +38,13 @@ class EngineSettings:
     # The order waiting requests run in: "fcfs" (arrival) or "priority" (a request's
     # `priority`, lower first).
     scheduling_policy: str = "fcfs"
+    # Sequences the engine runs at once (None: vLLM's default for the device, as `vllm
+    # serve` resolves it), and the backlog past which requests are refused: sequences
+    # waiting or running, prompt tokens not yet prefilled (None: derived from the batch,
+    # service.model.capacity).
+    max_num_seqs: int | None = None
+    max_num_queued_reqs: int | None = None
+    max_num_queued_tokens: int | None = None
     # LoRA adapters on the base model, each served under its own name (none: LoRA off).
     lora_modules: tuple[LoraModule, ...] = ()
     max_loras: int = 1  # adapters in one batch
@@ -102,8 +109,6 @@ class ServerSettings:
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = 9400  # None: no metrics endpoint
     log_prompts: bool = False
-    max_in_flight: int = 32
-    max_waiting: int = 128
     limits: RequestLimits = field(default_factory=RequestLimits)
     keepalive: KeepaliveSettings = field(default_factory=KeepaliveSettings)
     tls: TlsSettings | None = None  # None: plaintext

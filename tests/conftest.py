@@ -20,8 +20,6 @@ MAX_MODEL_LEN = 2048
 API_KEY = "test-key-0123456789"
 # Engine settings small enough that several engines fit on this machine at once.
 SMALL_ENGINE = ["--max-model-len", "512", "--kv-cache-gib", "0.25"]
-MAX_IN_FLIGHT = 16
-MAX_WAITING = 16
 AUTH_HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 GRPC_AUTH = (("authorization", f"Bearer {API_KEY}"),)
 ENGINE_START_TIMEOUT = 600
@@ -55,10 +53,6 @@ def stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             API_KEY,
             "--metrics-port",
             str(free_port()),
-            "--max-in-flight",
-            str(MAX_IN_FLIGHT),
-            "--max-waiting",
-            str(MAX_WAITING),
             "--keepalive-time",
             str(SERVER_KEEPALIVE_SECONDS),
             "--keepalive-timeout",

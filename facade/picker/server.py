@@ -43,6 +43,7 @@ from facade.picker.policy import CacheAwarePolicy, PromptPath
 from facade.render import keyed_clusters
 from facade.tls import describe_tls, listener_tls
 from service.settings import KeepaliveSettings, TlsSettings
+from service.transport.call_backlog import call_backlog_options
 from service.transport.keepalive import server_options
 from service.transport.tls import server_credentials
 
@@ -191,6 +192,8 @@ async def serve(
             # An Envoy that vanished (a node lost) is noticed, its calls ended and their
             # requests no longer counted as load, within the keepalive's time and timeout.
             *server_options(KeepaliveSettings()),
+            # Each keyed request holds a stream for its whole life: a burst of them is not cut.
+            *call_backlog_options(),
         ]
     )
     ext_proc_grpc.add_ExternalProcessorServicer_to_server(ReplicaPicker(policy, fleet), server)

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from llmcompletions.v2.completions_pb2 import CreateCompletionRequest, CreateCompletionResponse
-from vllm.exceptions import VLLMValidationError
+from vllm.exceptions import MaxQueuedTokensError, QueueOverflowError, VLLMValidationError
 from vllm.inputs import TokensPrompt
 from vllm.lora.request import LoRARequest
 from vllm.outputs import RequestOutput
@@ -16,6 +16,7 @@ from vllm.tokenizers import TokenizerLike
 from vllm.utils.async_utils import merge_async_iterators
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
+from service.api.backlog import Backlog
 from service.api.beam_search import BeamSearchSettings, beam_search
 from service.api.constraints import constraint_field
 from service.api.errors import (
@@ -56,9 +57,10 @@ logger = logging.getLogger(__name__)
 class CompletionHandler:
     """Runs completion requests on one served model."""
 
-    def __init__(self, model: ServedModel, limits: RequestLimits) -> None:
+    def __init__(self, model: ServedModel, limits: RequestLimits, backlog: Backlog) -> None:
         self.model = model
         self.limits = limits
+        self.backlog = backlog
         # As many tokenizing threads as vLLM's own renderer (one by default). With more, calls
         # overlap in vLLM's tokenizer pool, which then deep-copies the whole tokenizer (py-spy:
         # 18-19% of this server's samples in `make profile`).
@@ -83,10 +85,12 @@ class CompletionHandler:
         add_special_tokens = (
             request.add_special_tokens if request.HasField("add_special_tokens") else True
         )
-        # Off the event loop: a long prompt takes a while to tokenize.
-        prepared = await asyncio.get_running_loop().run_in_executor(
-            self.tokenizing, prepare_prompts, prompts, self.model.tokenizer, add_special_tokens
-        )
+        sequences = len(prompts) * requested_candidates(request)
+        with self.backlog.preparing(sequences):
+            # Off the event loop: a long prompt takes a while to tokenize.
+            prepared = await asyncio.get_running_loop().run_in_executor(
+                self.tokenizing, prepare_prompts, prompts, self.model.tokenizer, add_special_tokens
+            )
         if request.HasField("truncate_prompt_tokens"):
             prepared = self.truncate(request, prepared)
         check_prompt_tokens(prepared, self.limits.max_prompt_tokens)
@@ -98,6 +102,7 @@ class CompletionHandler:
         slots = self.engine_requests(
             request, f"{record.request_id}-{header.id[-8:]}", len(prepared)
         )
+        self.backlog.admit(sequences)
         try:
             results = self.generate(
                 prepared, slots, adapter, constraint_field(request), request.priority
@@ -192,6 +197,9 @@ class CompletionHandler:
             raise InternalError(f"The engine failed while generating: {error}") from error
         except CompletionError:
             raise
+        except (QueueOverflowError, MaxQueuedTokensError) as error:
+            # The engine checks the backlog bounds again as each request is added.
+            raise self.backlog.refusal(error) from error
         except VLLMValidationError as error:
             # The engine checks constraints (regex dialect, schema features) on submission.
             field = error.parameter or constraint or "body"

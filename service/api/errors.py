@@ -208,6 +208,16 @@ class ReplyTooLargeError(CompletionError):
         )
 
 
+class OverloadedError(CompletionError):
+    """The replica's backlog is past its bounds: retry shortly, here or on another replica."""
+
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    retry_after_seconds = 1
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("retry-after", str(self.retry_after_seconds)),)
+
+
 class EngineUnavailableError(CompletionError):
     grpc_code = grpc.StatusCode.UNAVAILABLE
 

@@ -13,6 +13,7 @@ from llmcompletions.v2.completions_pb2 import (
     TokenizeResponse,
 )
 
+from service.api.backlog import Backlog
 from service.api.prompts import prepare_prompts
 from service.api.validation import (
     check_prompt_tokens,
@@ -24,10 +25,13 @@ from service.settings import RequestLimits
 
 
 class Tokenization:
-    def __init__(self, model: ServedModel, limits: RequestLimits, tokenizing: Executor) -> None:
+    def __init__(
+        self, model: ServedModel, limits: RequestLimits, tokenizing: Executor, backlog: Backlog
+    ) -> None:
         self.model = model
         self.limits = limits
         self.tokenizing = tokenizing
+        self.backlog = backlog  # a call waiting for the tokenizer counts as one sequence
 
     async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         prompts = validate_tokenize_request(request, self.model.vocab_size, self.limits)
@@ -35,9 +39,10 @@ class Tokenization:
         add_special_tokens = (
             request.add_special_tokens if request.HasField("add_special_tokens") else True
         )
-        prepared = await asyncio.get_running_loop().run_in_executor(
-            self.tokenizing, prepare_prompts, prompts, self.model.tokenizer, add_special_tokens
-        )
+        with self.backlog.preparing(1):
+            prepared = await asyncio.get_running_loop().run_in_executor(
+                self.tokenizing, prepare_prompts, prompts, self.model.tokenizer, add_special_tokens
+            )
         check_prompt_tokens(prepared, self.limits.max_prompt_tokens)
         counts = [len(prompt.token_ids) for prompt in prepared]
         return TokenizeResponse(
@@ -50,7 +55,8 @@ class Tokenization:
     async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         validate_detokenize_request(request, self.model.vocab_size, self.limits)
         self.model.catalog.resolve(request.model)  # 404 unless served; adapters share the tokenizer
-        text = await asyncio.get_running_loop().run_in_executor(
-            self.tokenizing, self.model.tokenizer.decode, list(request.tokens)
-        )
+        with self.backlog.preparing(1):
+            text = await asyncio.get_running_loop().run_in_executor(
+                self.tokenizing, self.model.tokenizer.decode, list(request.tokens)
+            )
         return DetokenizeResponse(prompt=text)

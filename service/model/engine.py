@@ -14,10 +14,12 @@ from vllm import AsyncEngineArgs, envs
 from vllm.config import StructuredOutputsConfig
 from vllm.platforms import current_platform
 from vllm.tokenizers import TokenizerLike
+from vllm.usage.usage_lib import UsageContext
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from service.api.validation import MAX_BEST_OF
 from service.model.adapters import ModelCatalog, build_catalog
+from service.model.capacity import Capacity, resolve_capacity
 from service.model.default_model import model_directory
 from service.model.lifetime import mark_engine_parent
 from service.model.placement import confine_engine_core, place_engine
@@ -46,6 +48,7 @@ class ServedModel:
     catalog: ModelCatalog  # the served names: the base model's and its adapters'
     # Files the engine reads while it runs (the base model's stand-in adapter), removed after.
     scratch: tempfile.TemporaryDirectory[str]
+    capacity: Capacity  # the batch the engine runs and the backlog it accepts
     eos_token_ids: tuple[int, ...] = ()
     scheduling_policy: str = "fcfs"  # "priority": requests' `priority` orders the queue
 
@@ -91,6 +94,12 @@ def engine_args(
         ),
         "scheduling_policy": settings.scheduling_policy,
     }
+    batch = {
+        "max_num_seqs": settings.max_num_seqs,
+        "max_num_queued_reqs": settings.max_num_queued_reqs,
+        "max_num_queued_tokens": settings.max_num_queued_tokens,
+    }
+    args.update({name: value for name, value in batch.items() if value is not None})
     args.update(
         tensor_parallel_size=settings.tensor_parallel_size,
         pipeline_parallel_size=settings.pipeline_parallel_size,
@@ -148,7 +157,15 @@ def start_engine(settings: EngineSettings) -> ServedModel:
         ranks=settings.tensor_parallel_size * settings.pipeline_parallel_size,
         on_cpu=current_platform.is_cpu(),
     )
-    engine = AsyncLLM.from_engine_args(args)
+    # Resolved as `vllm serve` resolves it: the batch size and step follow the device for an
+    # API server (vLLM's generic defaults, for the engine used as a library, do not).
+    config = args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+    capacity = resolve_capacity(config)
+    engine = AsyncLLM.from_vllm_config(
+        config,
+        usage_context=UsageContext.OPENAI_API_SERVER,
+        disable_log_stats=args.disable_log_stats,
+    )
     if current_platform.is_cpu():
         confine_engine_core()
     # vLLM reads some of its settings from the environment for every generated token (1.9 us a
@@ -169,11 +186,17 @@ def start_engine(settings: EngineSettings) -> ServedModel:
         scratch=scratch,
         eos_token_ids=eos_token_ids(engine),
         scheduling_policy=engine.vllm_config.scheduler_config.policy,
+        capacity=capacity,
     )
     logger.info(
-        "engine ready: max_model_len=%d vocab_size=%d adapters=%s base_adapter=%s",
+        "engine ready: max_model_len=%d vocab_size=%d max_num_seqs=%d max_num_batched_tokens=%d"
+        " max_num_queued_reqs=%d max_num_queued_tokens=%d adapters=%s base_adapter=%s",
         served.max_model_len,
         served.vocab_size,
+        capacity.max_num_seqs,
+        capacity.max_num_batched_tokens,
+        capacity.max_num_queued_reqs,
+        capacity.max_num_queued_tokens,
         ",".join(catalog.adapters) or "none",
         "all-zero (vLLM CPU LoRA fix)" if catalog.base_adapter else "none",
     )

@@ -3,7 +3,7 @@ is given, around the handler the rest of the chain returns. Each interceptor is 
 for server-streaming calls; a unary call runs through it as a stream of one message.
 
 The chain (built in `service.transport.server`, outermost first): request context (id, record,
-metrics, log line) -> authentication -> admission -> error mapping -> the servicer.
+metrics, log line) -> authentication -> error mapping -> the servicer.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ counts) are registered by vLLM in the same registry and served beside these.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from llmcompletions.v2.completions_pb2 import CreateCompletionResponse
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 from vllm.v1.engine.async_llm import AsyncLLM
 
+from service.api.backlog import Backlog
 from service.transport.rest_bridge import END_OF_EVENTS
 
 logger = logging.getLogger("service.requests")
@@ -53,9 +55,24 @@ COMPLETION_TOKENS = Counter(
 )
 
 
+IN_FLIGHT = Gauge("llmcompletions_requests_in_flight", "Calls being served")
 ENGINE_UNFINISHED = Gauge(
     "llmcompletions_engine_unfinished_requests",
     "Requests the engine has not finished (running or queued), read when scraped",
+)
+QUEUED_PROMPT_TOKENS = Gauge(
+    "llmcompletions_queued_prompt_tokens",
+    "Prompt tokens of engine requests not yet past prefill (bounded by max_num_queued_tokens)",
+)
+PREPARING = Gauge(
+    "llmcompletions_requests_preparing",
+    "Calls being validated and tokenized, not yet in the engine (nothing else waits here)",
+)
+CAPACITY = Gauge(
+    "llmcompletions_capacity",
+    "The limits in force: the engine's batch (max_num_seqs, max_num_batched_tokens) and the "
+    "backlog past which requests are refused (max_num_queued_reqs, max_num_queued_tokens)",
+    ["limit"],
 )
 
 
@@ -66,6 +83,13 @@ def serve_metrics(host: str, port: int) -> None:
 
 def watch_engine_gauges(engine: AsyncLLM) -> None:
     ENGINE_UNFINISHED.set_function(engine.get_num_unfinished_requests)
+    QUEUED_PROMPT_TOKENS.set_function(engine.get_num_queued_tokens)
+
+
+def watch_backlog(backlog: Backlog) -> None:
+    PREPARING.set_function(lambda: backlog.preparing_calls)
+    for limit, value in dataclasses.asdict(backlog.capacity).items():
+        CAPACITY.labels(limit).set(value)
 
 
 @dataclass

@@ -16,7 +16,7 @@ from google.protobuf.message import Message
 
 from service.transport import endpoint_models
 from service.transport.interception import StreamBehaviour, StreamInterceptor
-from service.transport.observability import RequestRecord
+from service.transport.observability import IN_FLIGHT, RequestRecord
 
 REQUEST_ID_HEADER = "x-request-id"
 # Accepted from callers as is; anything else is replaced, so ids stay safe to log and echo.
@@ -69,6 +69,7 @@ class RequestContextInterceptor(StreamInterceptor):
         token = _current.set(record)
         endpoint = endpoint_models.bind(context)
         code = "UNKNOWN"
+        IN_FLIGHT.inc()
         try:
             async for message in inner(request, context):
                 record.message_sent(message)
@@ -78,6 +79,7 @@ class RequestContextInterceptor(StreamInterceptor):
             code = ended_code(context)
             raise
         finally:
+            IN_FLIGHT.dec()
             record.finish(code)
             endpoint_models.unbind(endpoint)
             _current.reset(token)

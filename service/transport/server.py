@@ -13,18 +13,19 @@ from grpc_reflection.v1alpha import reflection
 from llmcompletions.v2 import completions_pb2, completions_pb2_grpc
 from vllm.utils.gc_utils import freeze_gc_heap
 
+from service.api.backlog import Backlog
 from service.api.completions import CompletionHandler
 from service.api.model_listing import ModelListing
 from service.api.tokenization import Tokenization
 from service.model.adapters import AdapterError, load_adapters
 from service.model.engine import ServedModel, start_engine
 from service.settings import EngineSettings, ServerSettings
-from service.transport.admission import Admission, AdmissionInterceptor
 from service.transport.auth import ApiKeyInterceptor
+from service.transport.call_backlog import call_backlog_options
 from service.transport.error_mapping import ErrorMappingInterceptor
 from service.transport.interception import StreamInterceptor
 from service.transport.keepalive import server_options
-from service.transport.observability import serve_metrics, watch_engine_gauges
+from service.transport.observability import serve_metrics, watch_backlog, watch_engine_gauges
 from service.transport.request_context import RequestContextInterceptor
 from service.transport.servicer import CompletionServicer, Serving
 from service.transport.tls import server_credentials
@@ -40,8 +41,8 @@ def method_names(*names: str) -> frozenset[str]:
 
 
 ALL_METHODS = method_names(*(method.name for method in SERVICE_DESCRIPTOR.methods))
-# Describing the models is cheap and must answer even when the server is at capacity.
-ADMITTED_METHODS = method_names("CreateCompletion", "Tokenize", "Detokenize")
+# The calls that do work (a drain waits for them); describing the models is cheap.
+WORKING_METHODS = method_names("CreateCompletion", "Tokenize", "Detokenize")
 ENGINE_CHECK_SECONDS = 1.0
 # A drain takes the completion calls in flight as finished once none has run for this long,
 # so that a call the server accepted just before closing its listener is counted too.
@@ -97,15 +98,12 @@ class ServiceState:
 
 
 def interceptor_chain(settings: ServerSettings) -> list[StreamInterceptor]:
-    """Outermost first: request context -> authentication -> admission -> error mapping."""
+    """Outermost first: request context -> authentication -> error mapping. Nothing holds a
+    call back here: the serving logic refuses what passes the backlog bounds
+    (service.api.backlog)."""
     chain: list[StreamInterceptor] = [RequestContextInterceptor(ALL_METHODS, settings.log_prompts)]
     if settings.api_key:
         chain.append(ApiKeyInterceptor(ALL_METHODS, settings.api_key))
-    chain.append(
-        AdmissionInterceptor(
-            ADMITTED_METHODS, Admission(settings.max_in_flight, settings.max_waiting)
-        )
-    )
     chain.append(ErrorMappingInterceptor(ALL_METHODS, settings.max_message_bytes))
     return chain
 
@@ -122,6 +120,7 @@ def build_server(
             # replica restarted while the old process still drains.
             ("grpc.so_reuseport", 0),
             *server_options(settings.keepalive),
+            *call_backlog_options(),
         ],
     )
     completions_pb2_grpc.add_CompletionServiceServicer_to_server(
@@ -148,8 +147,10 @@ def build_server(
 
 
 def serving(model: ServedModel, settings: ServerSettings) -> Serving:
-    completions = CompletionHandler(model, settings.limits)
-    tokenization = Tokenization(model, settings.limits, completions.tokenizing)
+    backlog = Backlog(model.engine, model.capacity)
+    watch_backlog(backlog)
+    completions = CompletionHandler(model, settings.limits, backlog)
+    tokenization = Tokenization(model, settings.limits, completions.tokenizing, backlog)
     return Serving(completions, ModelListing(model), tokenization)
 
 
@@ -161,7 +162,7 @@ async def set_health(health_servicer: health.aio.HealthServicer, status: int) ->
 async def serve(server_settings: ServerSettings, engine_settings: EngineSettings) -> int:
     """Run until SIGINT or SIGTERM; return the process exit code."""
     state = ServiceState()
-    calls = CallTracker(ADMITTED_METHODS)
+    calls = CallTracker(WORKING_METHODS)
     server, health_servicer = build_server(server_settings, state, calls)
     if server_settings.metrics_port is not None:
         serve_metrics(server_settings.metrics_host, server_settings.metrics_port)

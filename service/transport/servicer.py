@@ -1,5 +1,5 @@
 """The gRPC servicer: hands each request to the serving logic and returns what it makes.
-Everything around a call (its id and record, authentication, admission, error statuses and
+Everything around a call (its id and record, authentication, error statuses and
 the REST framing) is done by the interceptor chain (`service.transport.interception`)."""
 
 from __future__ import annotations

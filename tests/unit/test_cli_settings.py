@@ -70,8 +70,9 @@ def test_the_environment_names_are_the_documented_ones() -> None:
         "MODEL",
         "SERVED_MODEL_NAME",
         "API_KEY",
-        "MAX_IN_FLIGHT",
-        "MAX_WAITING",
+        "MAX_NUM_SEQS",
+        "MAX_NUM_QUEUED_REQS",
+        "MAX_NUM_QUEUED_TOKENS",
         "MAX_MESSAGE_BYTES",
         "LOG_LEVEL",
         "LOG_FORMAT",
@@ -95,8 +96,9 @@ DOCUMENTED_DEFAULTS: dict[str, Any] = {
     "metrics_host": "127.0.0.1",
     "metrics_port": 9400,
     "log_prompts": False,
-    "max_in_flight": 32,
-    "max_waiting": 128,
+    "max_num_seqs": None,
+    "max_num_queued_reqs": None,
+    "max_num_queued_tokens": None,
     "max_prompts": 64,
     "max_choices": 256,
     "max_prompt_tokens": 65536,
@@ -163,8 +165,9 @@ def test_the_limit_defaults_are_request_limits_defaults() -> None:
         ({"MAX_LORA_RANK": "64"}, "max_lora_rank", 64),
         ({"API_KEY": "k-123"}, "api_key", "k-123"),
         ({"METRICS_PORT": "9500"}, "metrics_port", 9500),
-        ({"MAX_IN_FLIGHT": "4"}, "max_in_flight", 4),
-        ({"MAX_WAITING": "0"}, "max_waiting", 0),
+        ({"MAX_NUM_SEQS": "4"}, "max_num_seqs", 4),
+        ({"MAX_NUM_QUEUED_REQS": "40"}, "max_num_queued_reqs", 40),
+        ({"MAX_NUM_QUEUED_TOKENS": "4096"}, "max_num_queued_tokens", 4096),
         ({"MAX_PROMPTS": "8"}, "max_prompts", 8),
         ({"MAX_MESSAGE_BYTES": "1024"}, "max_message_bytes", 1024),
         ({"DRAIN_DELAY_SECONDS": "5"}, "drain_delay", 5.0),
@@ -212,7 +215,7 @@ def test_flags_win_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None
     [
         ({"GRPC_PORT": "grpc"}, "argument --port: invalid int value: 'grpc'"),
         ({"METRICS_PORT": "9400.5"}, "argument --metrics-port: invalid int value"),
-        ({"MAX_IN_FLIGHT": "many"}, "argument --max-in-flight: invalid int value"),
+        ({"MAX_NUM_QUEUED_REQS": "many"}, "argument --max-num-queued-reqs: invalid int value"),
         ({"KV_CACHE_GIB": "lots"}, "argument --kv-cache-gib: invalid float value: 'lots'"),
         ({"DRAIN_DELAY_SECONDS": "5s"}, "argument --drain-delay: invalid float value"),
         ({"ENGINE_ARGS": "[1]"}, "argument --engine-args: must be a JSON object"),
@@ -238,7 +241,7 @@ def test_bad_environment_values_are_usage_errors(
     [
         (["serve", "--port", "abc"], "argument --port: invalid int value: 'abc'"),
         (["serve", "--max-model-len", "1k"], "argument --max-model-len: invalid int value"),
-        (["serve", "--max-waiting", "1.5"], "argument --max-waiting: invalid int value: '1.5'"),
+        (["serve", "--max-num-seqs", "1.5"], "argument --max-num-seqs: invalid int value: '1.5'"),
         (["serve", "--engine-args", '"text"'], "must be a JSON object"),
         (["serve", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
         (["--log-format", "yaml", "serve"], "must be one of: plain, json"),
@@ -390,7 +393,7 @@ def test_top_level_help_lists_the_commands(
     assert main("--log-level", "DEBUG", "--help") == 0
     assert "{serve,prepare-model}" in capsys.readouterr().out
     assert main("--port", "1", "--help") == 0  # after a serve option: serve's help
-    assert "--max-in-flight" in capsys.readouterr().out
+    assert "--max-num-queued-reqs" in capsys.readouterr().out
     assert calls.serve == []
 
 
@@ -437,7 +440,9 @@ def test_every_known_log_level_is_one_logging_accepts() -> None:
 
 
 POSITIVE_OPTIONS = [
-    "--max-in-flight",
+    "--max-num-seqs",
+    "--max-num-queued-reqs",
+    "--max-num-queued-tokens",
     "--max-prompts",
     "--max-choices",
     "--max-prompt-tokens",
@@ -447,7 +452,7 @@ POSITIVE_OPTIONS = [
     "--pipeline-parallel-size",
     "--data-parallel-size",
 ]
-NON_NEGATIVE_OPTIONS = ["--max-waiting", "--max-logit-bias"]
+NON_NEGATIVE_OPTIONS = ["--max-logit-bias"]
 
 
 @pytest.mark.parametrize(
@@ -465,16 +470,38 @@ def test_limits_below_their_minimum_are_usage_errors(
 
 def test_limits_at_their_minimum_are_accepted() -> None:
     args = parse("serve", *(arg for option in POSITIVE_OPTIONS for arg in (option, "1")))
-    assert (args.max_in_flight, args.max_message_bytes, args.data_parallel_size) == (1, 1, 1)
-    args = parse("serve", "--max-waiting", "0", "--max-logit-bias", "0")
-    assert (args.max_waiting, args.max_logit_bias) == (0, 0)
+    assert (args.max_num_seqs, args.max_message_bytes, args.data_parallel_size) == (1, 1, 1)
+    args = parse("serve", "--max-logit-bias", "0")
+    assert args.max_logit_bias == 0
 
 
 def test_a_limit_from_the_environment_is_checked_too(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setenv("MAX_IN_FLIGHT", "0")
-    assert "argument --max-in-flight: must be at least 1" in usage_error(capsys, "serve")
+    monkeypatch.setenv("MAX_NUM_QUEUED_REQS", "0")
+    assert "argument --max-num-queued-reqs: must be at least 1" in usage_error(capsys, "serve")
+
+
+@pytest.mark.parametrize(
+    ("option", "env", "replacements"),
+    [
+        ("--max-in-flight", "MAX_IN_FLIGHT", ("--max-num-seqs", "--max-num-queued-reqs")),
+        ("--max-waiting", "MAX_WAITING", ("--max-num-queued-reqs", "--max-num-queued-tokens")),
+    ],
+)
+def test_the_removed_frontend_limits_are_refused_naming_what_replaced_them(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    option: str,
+    env: str,
+    replacements: tuple[str, ...],
+) -> None:
+    given_as_flag = usage_error(capsys, "serve", option, "32")
+    monkeypatch.setenv(env, "32")
+    given_in_environment = usage_error(capsys, "serve")
+    for err in (given_as_flag, given_in_environment):
+        assert f"argument {option}: was removed, with its env {env}" in err
+        assert all(replacement in err for replacement in replacements)
 
 
 # ---- run_serve(): the settings the server is built from
@@ -510,7 +537,8 @@ def test_run_serve_passes_every_option_on(
     args = parse(
         "serve",
         "--host", "0.0.0.0", "--port", "6000", "--metrics-port", "9600", "--log-prompts",
-        "--max-in-flight", "4", "--max-waiting", "8", "--max-prompts", "2",
+        "--max-num-seqs", "4", "--max-num-queued-reqs", "8", "--max-num-queued-tokens", "9",
+        "--max-prompts", "2",
         "--max-choices", "3", "--max-prompt-tokens", "100", "--max-constraint-bytes", "50",
         "--max-logit-bias", "5", "--max-message-bytes", "2048",
         "--drain-delay", "5", "--shutdown-grace", "1.5",
@@ -532,8 +560,6 @@ def test_run_serve_passes_every_option_on(
         metrics_host="127.0.0.1",
         metrics_port=9600,
         log_prompts=True,
-        max_in_flight=4,
-        max_waiting=8,
         limits=RequestLimits(
             max_prompts=2,
             max_choices=3,
@@ -553,6 +579,9 @@ def test_run_serve_passes_every_option_on(
         pipeline_parallel_size=3,
         data_parallel_size=4,
         distributed_executor_backend="ray",
+        max_num_seqs=4,
+        max_num_queued_reqs=8,
+        max_num_queued_tokens=9,
         extra_engine_args={"max_num_seqs": 8},
     )
 
@@ -575,11 +604,7 @@ def test_settings_defaults_and_immutability() -> None:
         9400,
         None,
     )
-    assert (server.max_in_flight, server.max_waiting, server.max_message_bytes) == (
-        32,
-        128,
-        16 * MIB,
-    )
+    assert server.max_message_bytes == 16 * MIB
     assert (server.shutdown_grace_seconds, server.drain_delay_seconds) == (30.0, 0.0)
     assert server.limits == RequestLimits()
     engine = EngineSettings(model=None, served_model_name="m")

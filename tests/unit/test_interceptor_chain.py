@@ -1,6 +1,6 @@
 """The interceptor chain on hand-made calls: every call is recorded once with its true
 status, errors become statuses (or an in-band message once output began), REST calls get
-their framing and end sentinel, and admission refuses past its limits."""
+their framing and end sentinel, and a refusal at capacity carries its retry hint."""
 
 from __future__ import annotations
 
@@ -16,8 +16,7 @@ from llmcompletions.v2.completions_pb2 import (
     CreateCompletionResponse,
 )
 
-from service.api.errors import ModelNotFoundError
-from service.transport.admission import Admission, AdmissionInterceptor
+from service.api.errors import ModelNotFoundError, OverloadedError
 from service.transport.error_mapping import ErrorMappingInterceptor
 from service.transport.observability import REQUESTS
 from service.transport.request_context import RequestContextInterceptor
@@ -56,7 +55,7 @@ class FakeContext:
         return self.remaining
 
 
-def chain(servicer: Any, admission: Admission | None = None) -> Any:
+def chain(servicer: Any) -> Any:
     """The behaviour the server would run: interceptors around the servicer, outermost first."""
     behaviour = ErrorMappingInterceptor(METHODS, 1 << 20).around
     inner = servicer
@@ -65,8 +64,6 @@ def chain(servicer: Any, admission: Admission | None = None) -> Any:
         return lambda request, context: around(inner, METHOD, request, context)
 
     inner = wrap(behaviour, inner)
-    if admission is not None:
-        inner = wrap(AdmissionInterceptor(METHODS, admission).around, inner)
     return wrap(RequestContextInterceptor(METHODS).around, inner)
 
 
@@ -151,27 +148,14 @@ def test_a_cancelled_call_is_recorded_as_expired_only_at_its_deadline(
     assert counted(code) == before + 1
 
 
-def test_admission_refuses_past_its_limits_and_the_refusal_is_counted() -> None:
-    async def scenario() -> list[FakeContext]:
-        admission = Admission(max_in_flight=1, max_waiting=0)
-        release = asyncio.Event()
-
-        async def held(request: Any, context: Any) -> AsyncIterator[CreateCompletionResponse]:
-            await release.wait()
-            yield CHUNK
-
-        behaviour = chain(held, admission)
-        first, second = FakeContext(), FakeContext()
-        running = asyncio.create_task(drain(behaviour, CreateCompletionRequest(), first))
-        await asyncio.sleep(0.01)
-        await drain(behaviour, CreateCompletionRequest(), second)
-        release.set()
-        await running
-        return [first, second]
+def test_a_refusal_at_capacity_is_resource_exhausted_with_a_retry_hint_and_counted() -> None:
+    async def overloaded(request: Any, context: Any) -> AsyncIterator[CreateCompletionResponse]:
+        raise OverloadedError("The server is at capacity; retry after 1s.")
+        yield CHUNK  # a generator, like the servicer's methods
 
     before = counted("RESOURCE_EXHAUSTED")
-    first, second = asyncio.run(scenario())
-    assert first.status is None
-    assert second.status == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert second.trailing["retry-after"] == "1"
+    context = FakeContext()
+    assert asyncio.run(drain(chain(overloaded), CreateCompletionRequest(), context)) == []
+    assert context.status == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert context.trailing["retry-after"] == "1"
     assert counted("RESOURCE_EXHAUSTED") == before + 1

@@ -172,7 +172,7 @@ def handler() -> CompletionHandler:
     """A handler whose model is only what engine_requests() reads."""
     config = SimpleNamespace(renderer_num_workers=1)
     model = SimpleNamespace(default_sampling={}, engine=SimpleNamespace(model_config=config))
-    return CompletionHandler(model, RequestLimits())  # type: ignore[arg-type]
+    return CompletionHandler(model, RequestLimits(), backlog=None)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("schema", UNCONVERTIBLE)
