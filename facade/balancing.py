@@ -330,6 +330,9 @@ def add_replica_picker(config: dict[str, Any], picker: PickerAddress) -> None:
     """Envoy asks the picker at `picker` about each keyed call, after the key is set and before
     the router."""
     cluster = picker_cluster(picker)
+    # Each keyed request holds its picker stream for its whole life: the picker takes as many
+    # at once as the replicas do (past Envoy's default 1,024 the call would go unpicked).
+    cluster["circuit_breakers"] = copy.deepcopy(replica_clusters(config)[0]["circuit_breakers"])
     if not isinstance(picker, Path):
         # Across a network, the replicas' pings: a picker that vanished without closing is
         # noticed, rather than each keyed call waiting PICKER_TIMEOUT on a dead connection

@@ -11,6 +11,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from facade.addresses import Address
 from facade.balancing import PrefixAffinity
@@ -18,8 +19,10 @@ from facade.options import Fleet, affinity_from, build_parser, fleet_from, upstr
 from facade.picker import start_picker
 from facade.pools import PoolError, discover, listing_header
 from facade.render import (
+    TEMPLATE,
     apply_tls,
     configure_routing,
+    connection_monitor,
     envoy_command,
     render_config,
     several_replicas,
@@ -27,6 +30,7 @@ from facade.render import (
 )
 from facade.tls import UpstreamTls, describe_tls, listener_tls
 from service.settings import TlsSettings
+from service.transport.open_files import raise_open_files_limit
 
 
 def log(message: str) -> None:
@@ -75,6 +79,15 @@ def describe_balance(
     )
 
 
+def warn_if_few_connections(config: dict[str, Any], open_files: int) -> None:
+    allowed = connection_monitor(config)["max_active_downstream_connections"]
+    if allowed < connection_monitor(TEMPLATE)["max_active_downstream_connections"]:
+        log(
+            f"at most {allowed} client connections at once (REST calls in flight each hold "
+            f"one): the open-files limit is {open_files}; raise it (ulimit -n) for more"
+        )
+
+
 def main() -> None:
     parser = build_parser(__doc__.splitlines()[0])
     args = parser.parse_args()
@@ -93,7 +106,9 @@ def main() -> None:
         max_request_bytes=args.max_request_bytes,
         max_reply_bytes=args.max_reply_bytes,
         debug_headers=args.debug_headers,
+        open_files=(open_files := raise_open_files_limit()),
     )
+    warn_if_few_connections(config, open_files)
     affinity = balancing(args, fleet)
     directory = Path(tempfile.mkdtemp(prefix="envoy-facade-"))
     picker_socket = directory / "picker.sock"

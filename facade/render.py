@@ -54,6 +54,10 @@ DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 # A whole JSON reply: room for the JSON of the largest gRPC message (16 MiB by default).
 DEFAULT_MAX_REPLY_BYTES = 64 * 1024 * 1024
 MAX_REPLY_HEADER = "x-max-reply-bytes"
+# Open files Envoy keeps for itself (upstream connections, its config and logs), and the fewest
+# downstream connections it is given whatever the limit.
+OPEN_FILES_RESERVED = 1024
+MIN_DOWNSTREAM_CONNECTIONS = 256
 ANY_POOL_CLUSTER = "any_pool"
 MODEL_HEADER = "x-model"
 # Operators' debugging aid, off by default: which replica served a call, and how long it took.
@@ -76,9 +80,13 @@ def render_config(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
     debug_headers: bool = False,
+    open_files: int | None = None,
 ) -> dict[str, Any]:
-    """envoy.yaml with ports, upstream endpoints, limits and absolute file paths filled in."""
+    """envoy.yaml with ports, upstream endpoints, limits and absolute file paths filled in;
+    with `open_files`, at most as many downstream connections as that limit leaves room for."""
     config = copy.deepcopy(TEMPLATE)
+    if open_files is not None:
+        limit_connections(config, open_files)
     config["admin"]["address"]["socket_address"]["port_value"] = admin_port
     listener = config["static_resources"]["listeners"][0]
     listener["address"]["socket_address"].update(address=listen_host, port_value=http_port)
@@ -102,6 +110,21 @@ def render_config(
             body["filename"] = str(OPENAPI_FILE)
     set_endpoints(config["static_resources"]["clusters"][0], upstreams)
     return config
+
+
+def connection_monitor(config: dict[str, Any]) -> dict[str, Any]:
+    (monitor,) = config["overload_manager"]["resource_monitors"]
+    return monitor["typed_config"]
+
+
+def limit_connections(config: dict[str, Any], open_files: int) -> None:
+    """Envoy closes new connections at once rather than failing to accept them for want of
+    file descriptors: the limit leaves room for upstream connections and files."""
+    room = max(open_files - OPEN_FILES_RESERVED, MIN_DOWNSTREAM_CONNECTIONS)
+    monitor = connection_monitor(config)
+    monitor["max_active_downstream_connections"] = min(
+        monitor["max_active_downstream_connections"], room
+    )
 
 
 def set_endpoints(cluster: dict[str, Any], addresses: Sequence[tuple[str, int]]) -> None:
@@ -133,11 +156,12 @@ def pool_cluster(
     return cluster
 
 
-def any_pool_cluster(pools: Sequence[Pool]) -> dict[str, Any]:
+def any_pool_cluster(pools: Sequence[Pool], template: dict[str, Any]) -> dict[str, Any]:
     """The pools in order, each taking over when those before it have no healthy replica."""
     return {
         "name": ANY_POOL_CLUSTER,
         "connect_timeout": "5s",
+        "circuit_breakers": copy.deepcopy(template["circuit_breakers"]),
         "lb_policy": "CLUSTER_PROVIDED",
         "cluster_type": {
             "name": "envoy.clusters.aggregate",
@@ -181,7 +205,7 @@ def route_by_model(config: dict[str, Any], pools: Sequence[Pool], listing: str) 
     template = clusters[0]
     clusters[:] = [
         *(pool_cluster(template, pool.cluster, pool.addresses) for pool in pools),
-        any_pool_cluster(pools),
+        any_pool_cluster(pools, template),
     ]
     grpc = grpc_route(config)
     by_model = [model_route(grpc, model, pool.cluster) for pool in pools for model in pool.models]

@@ -73,6 +73,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from service.model.default_model import model_directory
     from service.model.placement import PlacementError, binding
     from service.transport.server import serve
+    from service.transport.open_files import raise_open_files_limit
     from service.transport.tls import CertificateError
 
     try:
@@ -90,6 +91,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except (AdapterError, CertificateError, PlacementError) as error:
         print(f"llm-completions: error: {error}", file=sys.stderr)
         return 1
+    raise_open_files_limit()  # each caller's connection is a file
     # Not asyncio.run: its teardown is what exit_now skips. uvloop, as vLLM's own server: each
     # streamed token wakes the loop twice (the engine's output, then gRPC's write completing),
     # and uvloop's wake-ups cost less (BENCHMARKS.md, the frontend-heavy workload).
