@@ -9,6 +9,7 @@
 # make bench-routing  two replicas behind Envoy: prefix affinity against least request
 # make bench-routing-keys  the same fleet: how long the routing key should be
 # make bench-routing-fronts  the same fleet behind two Envoys, as deploy/ runs them
+# make bench-burst  512 streamed clients at once: `make serve` against `vllm serve`, defaults both
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -20,7 +21,7 @@ STAMP := $(VENV)/.installed-$(ENGINE)
 # The unit layer; --confcutdir keeps tests/conftest.py (it starts the engine and Envoy) unloaded.
 UNIT_TESTS := tests/unit --confcutdir=tests/unit
 
-.PHONY: install serve test unit proto lint bench profile bench-frontend bench-frontend-same-flags bench-routing bench-routing-keys bench-routing-fronts
+.PHONY: install serve test unit proto lint bench profile bench-frontend bench-frontend-same-flags bench-routing bench-routing-keys bench-routing-fronts bench-burst
 
 install: $(STAMP)
 
@@ -48,10 +49,18 @@ test: install
 unit: install
 	$(BIN)/python -m pytest -q $(UNIT_TESTS)
 
-# The side-by-side benchmark (about 25 minutes, then bench-frontend's); results in bench/results/.
+# The side-by-side benchmark (about 25 minutes, then bench-frontend's and bench-burst's);
+# results in bench/results/.
 bench: install
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
 	$(MAKE) bench-frontend
+	$(MAKE) bench-burst
+
+# 512 streamed clients at once on the embedded model, `make serve` against `vllm serve` with
+# their default capacity settings, 2 rounds (about 27 minutes; BURST_ARGS=--rounds N):
+# refused requests, throughput and TTFT; bench/results/burst.*.
+bench-burst: install
+	$(BIN)/python -m bench.burst $(BURST_ARGS)
 
 # CPU per output token by process, with py-spy on our frontend (about 12 minutes, then bench-frontend's).
 profile: install

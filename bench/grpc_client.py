@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,11 +13,12 @@ import grpc
 import numpy as np
 from google.protobuf import json_format
 from llmcompletions.v2 import completions_pb2_grpc
-from llmcompletions.v2.completions_pb2 import CreateCompletionRequest
+from llmcompletions.v2.completions_pb2 import CreateCompletionRequest, CreateCompletionResponse
 
 
 @dataclass
 class RequestTiming:
+    failed: str = ""  # the status code of a call that failed (e.g. RESOURCE_EXHAUSTED)
     ttft: float = 0.0
     latency: float = 0.0
     output_tokens: int = 0
@@ -28,8 +30,20 @@ async def one_request(
     stub: completions_pb2_grpc.CompletionServiceStub, request: CreateCompletionRequest
 ) -> RequestTiming:
     timing = RequestTiming()
-    started = last = time.perf_counter()
-    async for message in stub.CreateCompletion(request, timeout=600):
+    started = time.perf_counter()
+    try:
+        await receive(stub.CreateCompletion(request, timeout=600), timing, started)
+    except grpc.aio.AioRpcError as error:
+        timing.failed = error.code().name
+    timing.latency = time.perf_counter() - started
+    return timing
+
+
+async def receive(
+    call: AsyncIterator[CreateCompletionResponse], timing: RequestTiming, started: float
+) -> None:
+    last = started
+    async for message in call:
         now = time.perf_counter()
         # A token can arrive with no text yet (part of a character): a message all the same.
         timing.output_messages += 1 if message.choices else 0
@@ -41,8 +55,6 @@ async def one_request(
             last = now
         if message.HasField("usage"):
             timing.output_tokens = message.usage.completion_tokens
-    timing.latency = time.perf_counter() - started
-    return timing
 
 
 async def run_load(
@@ -74,14 +86,19 @@ async def run_load(
 
 
 def summarize(timings: list[RequestTiming], duration: float) -> dict[str, Any]:
-    """The metrics vLLM's serving benchmark reports, by its definitions (milliseconds)."""
-    ttfts = [t.ttft for t in timings]
+    """The metrics vLLM's serving benchmark reports, by its definitions (milliseconds), over
+    the requests that completed; the failed ones are counted, as vLLM's client counts them."""
+    failed = [t for t in timings if t.failed]
+    timings = [t for t in timings if not t.failed]
+    ttfts = [t.ttft for t in timings] or [0.0]
     tpots = [(t.latency - t.ttft) / (t.output_tokens - 1) for t in timings if t.output_tokens > 1]
     itls = [gap for t in timings for gap in t.gaps]
     output_tokens = sum(t.output_tokens for t in timings)
     return {
         "duration": duration,
         "completed": len(timings),
+        "failed": len(failed),
+        "failed_codes": sorted({t.failed for t in failed}),
         "total_output_tokens": output_tokens,
         "output_throughput": output_tokens / duration,
         "median_ttft_ms": float(np.median(ttfts)) * 1000,

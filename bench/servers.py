@@ -227,12 +227,14 @@ class MakeServe:
         self.grpc_port, self.http_port = free_port(), free_port()
         self.base_url = f"http://127.0.0.1:{self.http_port}"
         self.grpc_target = f"127.0.0.1:{self.grpc_port}"
+        metrics_port = free_port()
+        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         variables = {
             "MODEL": str(model_dir),
             "SERVED_MODEL_NAME": served_name,
             "GRPC_PORT": str(self.grpc_port),
             "HTTP_PORT": str(self.http_port),
-            "METRICS_PORT": str(free_port()),
+            "METRICS_PORT": str(metrics_port),
             "ENVOY_ADMIN_PORT": str(free_port()),
             **MAKE_SERVE_ENV,
             "ENGINE_ARGS": json.dumps({**NO_PREFIX_CACHING, **(engine_args or {})}),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -27,3 +29,36 @@ def engine_block_tokens(metrics_url: str) -> int:
         if name == "vllm:cache_config_info":
             return int(dict(labels)["block_size"])
     raise AssertionError(f"{metrics_url} publishes no vllm:cache_config_info")
+
+
+class GaugeWatch:
+    """Polls /metrics in a thread while a block runs: the highest value each gauge took
+    (summed over its label sets, e.g. vLLM's per-engine gauges)."""
+
+    def __init__(self, metrics_url: str, names: tuple[str, ...]) -> None:
+        self.metrics_url = metrics_url
+        self.names = names
+        self.peaks = dict.fromkeys(names, 0.0)
+        self._stop = threading.Event()
+
+    def current(self) -> dict[str, float]:
+        totals = dict.fromkeys(self.names, 0.0)
+        for (name, _), value in scrape(self.metrics_url).items():
+            if name in totals:
+                totals[name] += value
+        return totals
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            for name, value in self.current().items():
+                self.peaks[name] = max(self.peaks[name], value)
+            self._stop.wait(0.05)
+
+    def __enter__(self) -> GaugeWatch:
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()

@@ -12,7 +12,6 @@ import asyncio
 import collections
 import contextlib
 import json
-import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ from llmcompletions.v2.completions_pb2 import CreateCompletionRequest
 
 from service.api.errors import OverloadedError
 from tests.conftest import API_KEY, AUTH_HEADERS, ENGINE_START_TIMEOUT, MODEL, SMALL_ENGINE
-from tests.metrics import scrape
+from tests.metrics import GaugeWatch, scrape
 from tests.processes import TestStack, free_port
 
 OLD_FRONTEND_LIMIT = 32 + 128  # what the frontend used to admit and hold, whatever the engine
@@ -40,39 +39,6 @@ QUEUED_TOKENS = 2000  # its --max-num-queued-tokens
 RETRY_AFTER = str(OverloadedError.retry_after_seconds)
 REFUSED_WITHIN_SECONDS = 1.0
 RSS_GROWTH_BOUND = 128 * 1024 * 1024
-
-
-class GaugeWatch:
-    """Polls /metrics in a thread while a block runs: the highest value each gauge took
-    (summed over its label sets, e.g. vLLM's per-engine gauges)."""
-
-    def __init__(self, metrics_url: str, names: tuple[str, ...]) -> None:
-        self.metrics_url = metrics_url
-        self.names = names
-        self.peaks = dict.fromkeys(names, 0.0)
-        self._stop = threading.Event()
-
-    def current(self) -> dict[str, float]:
-        totals = dict.fromkeys(self.names, 0.0)
-        for (name, _), value in scrape(self.metrics_url).items():
-            if name in totals:
-                totals[name] += value
-        return totals
-
-    def _poll(self) -> None:
-        while not self._stop.is_set():
-            for name, value in self.current().items():
-                self.peaks[name] = max(self.peaks[name], value)
-            self._stop.wait(0.05)
-
-    def __enter__(self) -> GaugeWatch:
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def capacity(metrics_url: str) -> dict[str, float]:
