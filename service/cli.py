@@ -72,8 +72,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from service.model.adapters import AdapterError, check_adapters
     from service.model.default_model import model_directory
     from service.model.placement import PlacementError, binding
-    from service.transport.server import serve
     from service.transport.open_files import raise_open_files_limit
+    from service.transport.server import serve
     from service.transport.tls import CertificateError
 
     try:
