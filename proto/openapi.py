@@ -74,6 +74,46 @@ VALUE_FIELDS: dict[str, JsonSchema] = {
             },
         },
     },
+    "CreateChatCompletionRequest.stop": {
+        "oneOf": [{"type": "string"}, {**STRINGS, "maxItems": 4}, {"type": "null"}]
+    },
+    "CreateChatCompletionRequest.guided_choice": {
+        "type": ["array", "null"],
+        "items": {"type": "string"},
+    },
+    "CreateChatCompletionRequest.tool_choice": {
+        "oneOf": [
+            {"enum": ["none", "auto", "required"]},
+            {
+                "type": "object",
+                "properties": {
+                    "type": {"const": "function"},
+                    "function": {"type": "object", "properties": {"name": {"type": "string"}}},
+                },
+            },
+            {"type": "null"},
+        ]
+    },
+    "CreateChatCompletionRequest.documents": {
+        "type": ["array", "null"],
+        "items": {"type": "object", "additionalProperties": {"type": "string"}},
+    },
+    "ChatMessage.content": {
+        "oneOf": [
+            {"type": "string"},
+            {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+                },
+            },
+            {"type": "null"},
+        ]
+    },
+    "ChatChoice.stop_reason": {"type": ["string", "integer", "null"]},
+    "ChatChoice.token_ids": {**TOKEN_IDS, "type": ["array", "null"]},
+    "CreateChatCompletionResponse.prompt_token_ids": {**TOKEN_IDS, "type": ["array", "null"]},
     "Logprobs.token_logprobs": {"type": "array", "items": {"type": ["number", "null"]}},
     "Logprobs.top_logprobs": {
         "type": "array",
@@ -81,7 +121,13 @@ VALUE_FIELDS: dict[str, JsonSchema] = {
     },
 }
 STRUCT = ".google.protobuf.Struct"
-REQUIRED = {"CreateCompletionRequest": ["model", "prompt"], "JsonSchema": ["name"]}
+REQUIRED = {
+    "CreateCompletionRequest": ["model", "prompt"],
+    "CreateChatCompletionRequest": ["model", "messages"],
+    "ChatMessage": ["role"],
+    "ChatFunction": ["name"],
+    "JsonSchema": ["name"],
+}
 ERROR_SCHEMAS: dict[str, JsonSchema] = {
     "ValidationError": {
         "type": "object",
@@ -178,15 +224,18 @@ def json_response(schema: str, description: str) -> JsonSchema:
     }
 
 
-# What differs per method from the plain JSON reply of its output message.
-STREAMED_REPLY: JsonSchema = {
-    "description": "The completion (stream false), or server-sent events of chunks ending with"
-    " `data: [DONE]` (stream true).",
-    "content": {
-        "application/json": {"schema": {"$ref": "#/components/schemas/CreateCompletionResponse"}},
-        "text/event-stream": {"schema": {"type": "string"}},
-    },
-}
+def streamed_reply(output: str) -> JsonSchema:
+    """What differs for a streaming method from the plain JSON reply of its output message."""
+    return {
+        "description": "The whole reply (stream false), or server-sent events of chunks ending"
+        " with `data: [DONE]` (stream true).",
+        "content": {
+            "application/json": {"schema": {"$ref": f"#/components/schemas/{output}"}},
+            "text/event-stream": {"schema": {"type": "string"}},
+        },
+    }
+
+
 ERROR_REPLIES: JsonSchema = {
     "400": json_response("ErrorDetail", "A request this server cannot serve (e.g. too long)."),
     "401": json_response("ErrorDetail", "Missing or wrong API key."),
@@ -207,7 +256,7 @@ def operation(
     verb = next(v for v in ("get", "post", "put", "delete", "patch") if getattr(rule, v))
     path = PATH_PARAMETER.sub(r"{\1}", getattr(rule, verb))
     output = method.output_type.removeprefix(PACKAGE_PREFIX)
-    reply = STREAMED_REPLY if method.server_streaming else json_response(output, "OK")
+    reply = streamed_reply(output) if method.server_streaming else json_response(output, "OK")
     found: JsonSchema = {
         "operationId": method.name[0].lower() + method.name[1:],
         "summary": summary,
@@ -251,8 +300,9 @@ def openapi_document(descriptor_set: bytes, version: str) -> JsonSchema:
         "info": {
             "title": "LLM completions",
             "version": version,
-            "description": "Scale LLM Engine's POST /v2/completions, served by vLLM over gRPC,"
-            " with model listing and tokenization.",
+            "description": "Scale LLM Engine's POST /v2/completions and POST"
+            " /v2/chat/completions, served by vLLM over gRPC, with model listing and"
+            " tokenization.",
         },
         "paths": paths(file),
         "components": {"schemas": {**message_schemas(file), **ERROR_SCHEMAS}},

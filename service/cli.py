@@ -16,6 +16,7 @@ import uvloop
 
 from service import __version__
 from service.options import (
+    add_chat_options,
     add_engine_options,
     add_limit_options,
     add_option,
@@ -63,12 +64,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_options(serve)
     add_limit_options(serve)
     add_transport_options(serve)
+    add_chat_options(serve)
     add_engine_options(serve)
     commands.add_parser("prepare-model", help="convert the embedded default model into the cache")
     return parser
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from service.api.chat import ChatSettingsError, check_chat_settings
     from service.model.adapters import AdapterError, check_adapters
     from service.model.default_model import model_directory
     from service.model.placement import PlacementError, binding
@@ -79,6 +82,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         engine = engine_settings(args)
         server = server_settings(args)
+        check_chat_settings(server.chat)
         if engine.cpu_cores:  # the cores must split evenly over the engine's workers
             binding(engine.cpu_cores, engine.tensor_parallel_size * engine.pipeline_parallel_size)
         if engine.lora_modules:
@@ -88,7 +92,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 model_directory(engine.model),
                 engine.served_model_name,
             )
-    except (AdapterError, CertificateError, PlacementError) as error:
+    except (AdapterError, CertificateError, ChatSettingsError, PlacementError) as error:
         print(f"llm-completions: error: {error}", file=sys.stderr)
         return 1
     raise_open_files_limit()  # each caller's connection is a file

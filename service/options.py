@@ -16,6 +16,7 @@ from service.model.capacity import QUEUED_BATCHES, QUEUED_PREFILL_STEPS
 from service.model.default_model import DEFAULT_SERVED_MODEL_NAME
 from service.model.placement import PlacementError, available_cores, parse_core_list
 from service.settings import (
+    ChatSettings,
     EngineSettings,
     KeepaliveSettings,
     LoraModule,
@@ -454,6 +455,57 @@ def add_server_options(serve: argparse.ArgumentParser) -> None:
     )
 
 
+def add_chat_options(serve: argparse.ArgumentParser) -> None:
+    """Chat rendering and parsing, as `vllm serve`'s flags of the same names."""
+    add_option(
+        serve,
+        "--chat-template",
+        "CHAT_TEMPLATE",
+        None,
+        "a Jinja chat template file; unset: the model's own",
+        Path,
+    )
+    add_switch(
+        serve,
+        "--trust-request-chat-template",
+        "TRUST_REQUEST_CHAT_TEMPLATE",
+        "let a chat request bring its own `chat_template` (else it is refused)",
+    )
+    add_option(
+        serve,
+        "--tool-call-parser",
+        "TOOL_CALL_PARSER",
+        None,
+        "parse tool calls out of chat replies with this vLLM parser (e.g. hermes, llama3_json, "
+        "mistral); unset: named and required tool choice only",
+    )
+    add_switch(
+        serve,
+        "--enable-auto-tool-choice",
+        "ENABLE_AUTO_TOOL_CHOICE",
+        'let the model decide whether to call a tool (tool_choice "auto"); needs '
+        "--tool-call-parser",
+    )
+    add_option(
+        serve,
+        "--reasoning-parser",
+        "REASONING_PARSER",
+        None,
+        "split the model's reasoning from a chat reply's content with this vLLM parser "
+        "(e.g. deepseek_r1, qwen3); unset: none",
+    )
+
+
+def chat_settings(args: argparse.Namespace) -> ChatSettings:
+    return ChatSettings(
+        chat_template=args.chat_template,
+        trust_request_chat_template=args.trust_request_chat_template,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        reasoning_parser=args.reasoning_parser,
+    )
+
+
 def add_transport_options(serve: argparse.ArgumentParser) -> None:
     """Keepalive and TLS on the gRPC listener."""
     keepalive = KeepaliveSettings()
@@ -562,4 +614,5 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
             max_ping_strikes=args.keepalive_max_ping_strikes,
         ),
         tls=tls_settings(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file),
+        chat=chat_settings(args),
     )

@@ -94,6 +94,20 @@ class TlsSettings:
 
 
 @dataclass(frozen=True)
+class ChatSettings:
+    """How chat requests are rendered and their replies parsed, with the names and meanings of
+    `vllm serve`'s flags."""
+
+    # A Jinja chat template file (None: the model's own, from its tokenizer config or its
+    # chat_template.jinja).
+    chat_template: Path | None = None
+    trust_request_chat_template: bool = False  # a request's own `chat_template` is used
+    tool_call_parser: str | None = None  # e.g. "hermes": tool calls parsed out of the output
+    enable_auto_tool_choice: bool = False  # `tool_choice: "auto"`: needs tool_call_parser
+    reasoning_parser: str | None = None  # reasoning split from the content of a reply
+
+
+@dataclass(frozen=True)
 class ServerSettings:
     """Where and how the gRPC server listens."""
 
@@ -112,3 +126,4 @@ class ServerSettings:
     limits: RequestLimits = field(default_factory=RequestLimits)
     keepalive: KeepaliveSettings = field(default_factory=KeepaliveSettings)
     tls: TlsSettings | None = None  # None: plaintext
+    chat: ChatSettings = field(default_factory=ChatSettings)

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from google.protobuf import json_format, struct_pb2
-from llmcompletions.v2.completions_pb2 import CreateCompletionRequest
+from llmcompletions.v2.completions_pb2 import CreateChatCompletionRequest, CreateCompletionRequest
 from outlines_core.json_schema import build_regex_from_schema
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import StructuredOutputsParams
@@ -32,7 +32,11 @@ def restore_integers(value: Any) -> Any:
     return value
 
 
-def constraint_field(request: CreateCompletionRequest) -> str | None:
+# Both kinds of request carry the same guided_* and response_format fields.
+ConstrainedRequest = CreateCompletionRequest | CreateChatCompletionRequest
+
+
+def constraint_field(request: ConstrainedRequest) -> str | None:
     """The request field that carries its output constraint, if any."""
     for name in GUIDED_FIELDS:
         if request.HasField(name):
@@ -64,7 +68,7 @@ def json_constraint(
     return StructuredOutputsParams(regex=regex)
 
 
-def structured_outputs(request: CreateCompletionRequest) -> StructuredOutputsParams | None:
+def structured_outputs(request: ConstrainedRequest) -> StructuredOutputsParams | None:
     whitespace = (
         request.guided_whitespace_pattern if request.HasField("guided_whitespace_pattern") else None
     )

@@ -9,8 +9,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from google.protobuf import struct_pb2
+from google.protobuf.descriptor import Descriptor
 from llmcompletions.v2 import completions_pb2
 from llmcompletions.v2.completions_pb2 import (
+    CreateChatCompletionRequest,
     CreateCompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
@@ -36,13 +38,16 @@ class Bound:
 
 
 Range = tuple[Bound | None, Bound | None]  # None: unbounded on that side
+# The sampling, constraint and token-id fields that both kinds of request carry, under the
+# same names and rules.
+GenerationRequest = CreateCompletionRequest | CreateChatCompletionRequest
 
 
-def declared_ranges() -> dict[str, Range]:
+def declared_ranges(message: Descriptor = CreateCompletionRequest.DESCRIPTOR) -> dict[str, Range]:
     """The allowed range of each numeric request field, as the proto declares it (its
     `allowed` option): the one source of these numbers."""
     ranges: dict[str, Range] = {}
-    for field in CreateCompletionRequest.DESCRIPTOR.fields:
+    for field in message.fields:
         options = field.GetOptions()
         if not options.HasExtension(completions_pb2.allowed):
             continue
@@ -94,7 +99,7 @@ def validate_request(
     check_backend(request, structured_outputs_backend, found)
     check_sizes(request, len(prompts), limits, found)
     check_streaming(request, found)
-    check_extras(request, vocab_size, found)
+    check_extras(request, found)
     if request.HasField("suffix") and request.suffix:
         found.add(("suffix",), "suffix is not supported: this server does not insert text")
     if found.items:
@@ -135,8 +140,10 @@ def range_violation(value: float, low: Bound | None, high: Bound | None) -> str 
     return None
 
 
-def check_numeric_ranges(request: CreateCompletionRequest, found: Violations) -> None:
-    for name, (low, high) in NUMERIC_RANGES.items():
+def check_numeric_ranges(
+    request: GenerationRequest, found: Violations, ranges: dict[str, Range] = NUMERIC_RANGES
+) -> None:
+    for name, (low, high) in ranges.items():
         if not request.HasField(name):
             continue
         value = getattr(request, name)
@@ -194,7 +201,7 @@ def token_id_problem(token_id: int, vocab_size: int) -> str | None:
     return f"token id must be in [0, {vocab_size - 1}] (the model's vocabulary), got {token_id}"
 
 
-def check_token_ids(request: CreateCompletionRequest, vocab_size: int, found: Violations) -> None:
+def check_token_ids(request: GenerationRequest, vocab_size: int, found: Violations) -> None:
     for index, token_id in enumerate(request.stop_token_ids):
         problem = token_id_problem(token_id, vocab_size)
         if problem:
@@ -210,9 +217,13 @@ def check_token_ids(request: CreateCompletionRequest, vocab_size: int, found: Vi
                 f"logit_bias values must be {describe_range(*LOGIT_BIAS_RANGE)}, got {bias:g}",
                 broken,
             )
+    for index, token_id in enumerate(request.allowed_token_ids):
+        problem = token_id_problem(token_id, vocab_size)
+        if problem:
+            found.add(("allowed_token_ids", index), f"allowed_token_ids: {problem}")
 
 
-def check_extras(request: CreateCompletionRequest, vocab_size: int, found: Violations) -> None:
+def check_extras(request: CreateCompletionRequest, found: Violations) -> None:
     """vLLM's completion extras beyond the numeric ranges the proto declares."""
     if request.HasField("truncate_prompt_tokens") and request.truncate_prompt_tokens == 0:
         found.add(
@@ -231,10 +242,6 @@ def check_extras(request: CreateCompletionRequest, vocab_size: int, found: Viola
             found.add(("prompt_logprobs",), "prompt_logprobs cannot be streamed")
         if request.use_beam_search:
             found.add(("prompt_logprobs",), "prompt_logprobs are not available with beam search")
-    for index, token_id in enumerate(request.allowed_token_ids):
-        problem = token_id_problem(token_id, vocab_size)
-        if problem:
-            found.add(("allowed_token_ids", index), f"allowed_token_ids: {problem}")
 
 
 def check_early_stopping(request: CreateCompletionRequest, found: Violations) -> None:
@@ -249,7 +256,7 @@ def check_early_stopping(request: CreateCompletionRequest, found: Violations) ->
     found.add(("early_stopping",), 'early_stopping must be true, false or "never"', "literal_error")
 
 
-def check_output_constraints(request: CreateCompletionRequest, found: Violations) -> None:
+def check_output_constraints(request: GenerationRequest, found: Violations) -> None:
     given = [
         name
         for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -277,7 +284,7 @@ def check_output_constraints(request: CreateCompletionRequest, found: Violations
                 )
 
 
-def check_backend(request: CreateCompletionRequest, available: str, found: Violations) -> None:
+def check_backend(request: GenerationRequest, available: str, found: Violations) -> None:
     if request.HasField("guided_regex"):
         try:
             re.compile(request.guided_regex)
@@ -294,7 +301,7 @@ def check_backend(request: CreateCompletionRequest, available: str, found: Viola
         )
 
 
-def constraint_sizes(request: CreateCompletionRequest) -> dict[str, int]:
+def constraint_sizes(request: GenerationRequest) -> dict[str, int]:
     """The size in bytes of each output constraint (and of the stop strings) it carries."""
     sizes = {
         "stop": request.stop.ByteSize() if request.HasField("stop") else 0,
@@ -329,13 +336,23 @@ def check_sizes(
             f"{prompt_count * candidates}; at most {limits.max_choices} per request",
             "too_long",
         )
-    for name, size in constraint_sizes(request).items():
+    check_constraint_sizes(constraint_sizes(request), limits, found)
+    check_logit_bias_count(request, limits, found)
+
+
+def check_constraint_sizes(sizes: dict[str, int], limits: RequestLimits, found: Violations) -> None:
+    for name, size in sizes.items():
         if size > limits.max_constraint_bytes:
             found.add(
                 (name,),
                 f"{name} is {size} bytes; at most {limits.max_constraint_bytes}",
                 "too_long",
             )
+
+
+def check_logit_bias_count(
+    request: GenerationRequest, limits: RequestLimits, found: Violations
+) -> None:
     if len(request.logit_bias) > limits.max_logit_bias:
         found.add(
             ("logit_bias",),
@@ -344,7 +361,7 @@ def check_sizes(
         )
 
 
-def check_response_format(request: CreateCompletionRequest, found: Violations) -> None:
+def check_response_format(request: GenerationRequest, found: Violations) -> None:
     response_format = request.response_format
     if response_format.type not in RESPONSE_FORMAT_TYPES:
         found.add(

@@ -12,7 +12,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmcompletions.v2.completions_pb2 import CreateCompletionResponse
+from llmcompletions.v2.completions_pb2 import (
+    CreateChatCompletionResponse,
+    CreateCompletionResponse,
+)
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -92,6 +95,14 @@ def watch_backlog(backlog: Backlog) -> None:
         CAPACITY.labels(limit).set(value)
 
 
+def choice_text(choice: Any) -> str:
+    """The text a completion choice or a chat choice (whole or delta) carries."""
+    if hasattr(choice, "text"):
+        return str(choice.text)
+    said = choice.delta if choice.HasField("delta") else choice.message
+    return str(said.content)
+
+
 @dataclass
 class RequestRecord:
     """One request's facts, filled in as it is served."""
@@ -110,12 +121,14 @@ class RequestRecord:
     prompts: list[str] | None = None  # only kept when prompts are logged
     output: str = ""
 
-    def message_sent(self, message: CreateCompletionResponse) -> None:
+    def message_sent(
+        self, message: CreateCompletionResponse | CreateChatCompletionResponse
+    ) -> None:
         if message is END_OF_EVENTS:
             return  # the REST event stream's end sentinel: no content
         now = time.monotonic()
         if self.prompts is not None:
-            self.output += "".join(choice.text for choice in message.choices)
+            self.output += "".join(choice_text(choice) for choice in message.choices)
         if self.first_message_at is None:
             self.first_message_at = now
             FIRST_MESSAGE_SECONDS.observe(now - self.started)

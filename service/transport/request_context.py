@@ -53,6 +53,14 @@ def ended_code(context: grpc.aio.ServicerContext) -> str:
     return "DEADLINE_EXCEEDED" if expired else "CANCELLED"
 
 
+def logged_prompts(request: Message) -> list[str]:
+    """A completion's prompt, or a chat's messages, as JSON for the request's log line."""
+    if hasattr(request, "prompt"):
+        return [json_format.MessageToJson(request.prompt, indent=None)]
+    messages = getattr(request, "messages", ())
+    return [json_format.MessageToJson(message, indent=None) for message in messages]
+
+
 class RequestContextInterceptor(StreamInterceptor):
     def __init__(self, methods: frozenset[str], log_prompts: bool = False) -> None:
         super().__init__(methods)
@@ -87,14 +95,11 @@ class RequestContextInterceptor(StreamInterceptor):
     def record(
         self, method: str, request: Message, context: grpc.aio.ServicerContext
     ) -> RequestRecord:
-        prompts = None
-        if self._log_prompts and hasattr(request, "prompt"):
-            prompts = [json_format.MessageToJson(request.prompt, indent=None)]
         return RequestRecord(
             request_id=request_id(context),
             method=method,
             model=getattr(request, "model", ""),
             user=getattr(request, "user", ""),
             stream=getattr(request, "stream", False),
-            prompts=prompts,
+            prompts=logged_prompts(request) if self._log_prompts else None,
         )

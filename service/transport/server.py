@@ -14,6 +14,7 @@ from llmcompletions.v2 import completions_pb2, completions_pb2_grpc
 from vllm.utils.gc_utils import freeze_gc_heap
 
 from service.api.backlog import Backlog
+from service.api.chat import ChatHandler
 from service.api.completions import CompletionHandler
 from service.api.model_listing import ModelListing
 from service.api.tokenization import Tokenization
@@ -42,7 +43,7 @@ def method_names(*names: str) -> frozenset[str]:
 
 ALL_METHODS = method_names(*(method.name for method in SERVICE_DESCRIPTOR.methods))
 # The calls that do work (a drain waits for them); describing the models is cheap.
-WORKING_METHODS = method_names("CreateCompletion", "Tokenize", "Detokenize")
+WORKING_METHODS = method_names("CreateCompletion", "CreateChatCompletion", "Tokenize", "Detokenize")
 ENGINE_CHECK_SECONDS = 1.0
 # A drain takes the completion calls in flight as finished once none has run for this long,
 # so that a call the server accepted just before closing its listener is counted too.
@@ -150,8 +151,9 @@ def serving(model: ServedModel, settings: ServerSettings) -> Serving:
     backlog = Backlog(model.engine, model.capacity)
     watch_backlog(backlog)
     completions = CompletionHandler(model, settings.limits, backlog)
+    chat = ChatHandler(model, settings.limits, backlog, settings.chat)
     tokenization = Tokenization(model, settings.limits, completions.tokenizing, backlog)
-    return Serving(completions, ModelListing(model), tokenization)
+    return Serving(completions, chat, ModelListing(model), tokenization)
 
 
 async def set_health(health_servicer: health.aio.HealthServicer, status: int) -> None:

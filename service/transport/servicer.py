@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import grpc
 from llmcompletions.v2 import completions_pb2_grpc
 from llmcompletions.v2.completions_pb2 import (
+    CreateChatCompletionRequest,
+    CreateChatCompletionResponse,
     CreateCompletionRequest,
     CreateCompletionResponse,
     DetokenizeRequest,
@@ -22,6 +24,7 @@ from llmcompletions.v2.completions_pb2 import (
     TokenizeResponse,
 )
 
+from service.api.chat import ChatHandler
 from service.api.completions import CompletionHandler
 from service.api.errors import EngineUnavailableError
 from service.api.model_listing import ModelListing
@@ -35,6 +38,7 @@ class Serving:
     """The serving logic of a loaded engine, one part per kind of call."""
 
     completions: CompletionHandler
+    chat: ChatHandler
     models: ModelListing
     tokenization: Tokenization
 
@@ -47,6 +51,12 @@ class CompletionServicer(completions_pb2_grpc.CompletionServiceServicer):
         self, request: CreateCompletionRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[CreateCompletionResponse]:
         async for message in self.serving().completions.complete(request, current_record()):
+            yield message
+
+    async def CreateChatCompletion(
+        self, request: CreateChatCompletionRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[CreateChatCompletionResponse]:
+        async for message in self.serving().chat.complete(request, current_record()):
             yield message
 
     async def ListModels(

@@ -36,6 +36,7 @@ def rendered() -> dict[str, Any]:
 
 def test_the_methods_routed_by_model_are_those_whose_request_names_one() -> None:
     assert sorted(name.rsplit(".", 1)[1] for name in balancing.methods_with_model()) == [
+        "CreateChatCompletion",
         "CreateCompletion",
         "Detokenize",
         "GetModelInfo",

@@ -221,10 +221,255 @@ class CreateCompletionRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., prompt: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., n: _Optional[int] = ..., stream: _Optional[bool] = ..., stream_options: _Optional[_Union[StreamOptions, _Mapping]] = ..., logprobs: _Optional[int] = ..., echo: _Optional[bool] = ..., stop: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., best_of: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., seed: _Optional[int] = ..., suffix: _Optional[str] = ..., user: _Optional[str] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., use_beam_search: _Optional[bool] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., add_special_tokens: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., guided_json: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., guided_regex: _Optional[str] = ..., guided_choice: _Optional[_Union[_struct_pb2.ListValue, _Mapping]] = ..., guided_grammar: _Optional[str] = ..., guided_decoding_backend: _Optional[str] = ..., guided_whitespace_pattern: _Optional[str] = ..., return_token_ids: _Optional[bool] = ..., return_tokens_as_token_ids: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ..., truncate_prompt_tokens: _Optional[int] = ..., truncation_side: _Optional[str] = ..., priority: _Optional[int] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StreamOptions(_message.Message):
-    __slots__ = ("include_usage",)
+    __slots__ = ("include_usage", "continuous_usage_stats")
     INCLUDE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    CONTINUOUS_USAGE_STATS_FIELD_NUMBER: _ClassVar[int]
     include_usage: bool
-    def __init__(self, include_usage: _Optional[bool] = ...) -> None: ...
+    continuous_usage_stats: bool
+    def __init__(self, include_usage: _Optional[bool] = ..., continuous_usage_stats: _Optional[bool] = ...) -> None: ...
+
+class CreateChatCompletionRequest(_message.Message):
+    __slots__ = ("model", "messages", "max_completion_tokens", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "logprobs", "top_logprobs", "stop", "presence_penalty", "frequency_penalty", "logit_bias", "seed", "user", "tools", "tool_choice", "parallel_tool_calls", "top_k", "min_p", "repetition_penalty", "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens", "spaces_between_special_tokens", "allowed_token_ids", "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern", "return_token_ids", "truncate_prompt_tokens", "priority", "add_generation_prompt", "continue_final_message", "echo", "add_special_tokens", "chat_template_kwargs", "documents", "chat_template")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    MAX_COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    STREAM_OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    USER_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPACES_BETWEEN_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    GUIDED_JSON_FIELD_NUMBER: _ClassVar[int]
+    GUIDED_REGEX_FIELD_NUMBER: _ClassVar[int]
+    GUIDED_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    GUIDED_GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    GUIDED_DECODING_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    GUIDED_WHITESPACE_PATTERN_FIELD_NUMBER: _ClassVar[int]
+    RETURN_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ECHO_FIELD_NUMBER: _ClassVar[int]
+    ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    max_completion_tokens: int
+    max_tokens: int
+    temperature: float
+    top_p: float
+    n: int
+    stream: bool
+    stream_options: StreamOptions
+    logprobs: bool
+    top_logprobs: int
+    stop: _struct_pb2.Value
+    presence_penalty: float
+    frequency_penalty: float
+    logit_bias: _containers.ScalarMap[int, float]
+    seed: int
+    user: str
+    tools: _containers.RepeatedCompositeFieldContainer[ChatTool]
+    tool_choice: _struct_pb2.Value
+    parallel_tool_calls: bool
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    include_stop_str_in_output: bool
+    ignore_eos: bool
+    min_tokens: int
+    skip_special_tokens: bool
+    spaces_between_special_tokens: bool
+    allowed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    response_format: ResponseFormat
+    guided_json: _struct_pb2.Struct
+    guided_regex: str
+    guided_choice: _struct_pb2.ListValue
+    guided_grammar: str
+    guided_decoding_backend: str
+    guided_whitespace_pattern: str
+    return_token_ids: bool
+    truncate_prompt_tokens: int
+    priority: int
+    add_generation_prompt: bool
+    continue_final_message: bool
+    echo: bool
+    add_special_tokens: bool
+    chat_template_kwargs: _struct_pb2.Struct
+    documents: _struct_pb2.ListValue
+    chat_template: str
+    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_completion_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., n: _Optional[int] = ..., stream: _Optional[bool] = ..., stream_options: _Optional[_Union[StreamOptions, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., stop: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., seed: _Optional[int] = ..., user: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[ChatTool, _Mapping]]] = ..., tool_choice: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., guided_json: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., guided_regex: _Optional[str] = ..., guided_choice: _Optional[_Union[_struct_pb2.ListValue, _Mapping]] = ..., guided_grammar: _Optional[str] = ..., guided_decoding_backend: _Optional[str] = ..., guided_whitespace_pattern: _Optional[str] = ..., return_token_ids: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., echo: _Optional[bool] = ..., add_special_tokens: _Optional[bool] = ..., chat_template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., documents: _Optional[_Union[_struct_pb2.ListValue, _Mapping]] = ..., chat_template: _Optional[str] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "reasoning")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    REASONING_CONTENT_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: _struct_pb2.Value
+    name: str
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ChatToolCall]
+    tool_call_id: str
+    reasoning_content: str
+    reasoning: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., name: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ChatToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ..., reasoning_content: _Optional[str] = ..., reasoning: _Optional[str] = ...) -> None: ...
+
+class ChatTool(_message.Message):
+    __slots__ = ("type", "function")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    type: str
+    function: ChatFunction
+    def __init__(self, type: _Optional[str] = ..., function: _Optional[_Union[ChatFunction, _Mapping]] = ...) -> None: ...
+
+class ChatFunction(_message.Message):
+    __slots__ = ("name", "description", "parameters", "strict")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    STRICT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    parameters: _struct_pb2.Struct
+    strict: bool
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., strict: _Optional[bool] = ...) -> None: ...
+
+class ChatToolCall(_message.Message):
+    __slots__ = ("id", "type", "function", "index")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    type: str
+    function: ChatFunctionCall
+    index: int
+    def __init__(self, id: _Optional[str] = ..., type: _Optional[str] = ..., function: _Optional[_Union[ChatFunctionCall, _Mapping]] = ..., index: _Optional[int] = ...) -> None: ...
+
+class ChatFunctionCall(_message.Message):
+    __slots__ = ("name", "arguments")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    arguments: str
+    def __init__(self, name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
+
+class CreateChatCompletionResponse(_message.Message):
+    __slots__ = ("id", "object", "created", "model", "choices", "usage", "system_fingerprint", "error", "prompt_token_ids")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    OBJECT_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    SYSTEM_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: _containers.RepeatedCompositeFieldContainer[ChatChoice]
+    usage: Usage
+    system_fingerprint: str
+    error: StreamError
+    prompt_token_ids: _struct_pb2.ListValue
+    def __init__(self, id: _Optional[str] = ..., object: _Optional[str] = ..., created: _Optional[int] = ..., model: _Optional[str] = ..., choices: _Optional[_Iterable[_Union[ChatChoice, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., system_fingerprint: _Optional[str] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ..., prompt_token_ids: _Optional[_Union[_struct_pb2.ListValue, _Mapping]] = ...) -> None: ...
+
+class ChatChoice(_message.Message):
+    __slots__ = ("index", "message", "delta", "finish_reason", "stop_reason", "logprobs", "token_ids")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    message: ChatReplyMessage
+    delta: ChatReplyMessage
+    finish_reason: str
+    stop_reason: _struct_pb2.Value
+    logprobs: ChatLogprobs
+    token_ids: _struct_pb2.ListValue
+    def __init__(self, index: _Optional[int] = ..., message: _Optional[_Union[ChatReplyMessage, _Mapping]] = ..., delta: _Optional[_Union[ChatReplyMessage, _Mapping]] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., logprobs: _Optional[_Union[ChatLogprobs, _Mapping]] = ..., token_ids: _Optional[_Union[_struct_pb2.ListValue, _Mapping]] = ...) -> None: ...
+
+class ChatReplyMessage(_message.Message):
+    __slots__ = ("role", "content", "tool_calls", "reasoning_content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    REASONING_CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ChatToolCall]
+    reasoning_content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ChatToolCall, _Mapping]]] = ..., reasoning_content: _Optional[str] = ...) -> None: ...
+
+class ChatLogprobs(_message.Message):
+    __slots__ = ("content",)
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    content: _containers.RepeatedCompositeFieldContainer[ChatTokenLogprob]
+    def __init__(self, content: _Optional[_Iterable[_Union[ChatTokenLogprob, _Mapping]]] = ...) -> None: ...
+
+class ChatTokenLogprob(_message.Message):
+    __slots__ = ("token", "logprob", "bytes", "top_logprobs")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    logprob: float
+    bytes: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[ChatTopLogprob]
+    def __init__(self, token: _Optional[str] = ..., logprob: _Optional[float] = ..., bytes: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[_Union[ChatTopLogprob, _Mapping]]] = ...) -> None: ...
+
+class ChatTopLogprob(_message.Message):
+    __slots__ = ("token", "logprob", "bytes")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    logprob: float
+    bytes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token: _Optional[str] = ..., logprob: _Optional[float] = ..., bytes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ResponseFormat(_message.Message):
     __slots__ = ("type", "json_schema")

@@ -40,6 +40,11 @@ class CompletionServiceStub:
                 request_serializer=llmcompletions_dot_v2_dot_completions__pb2.CreateCompletionRequest.SerializeToString,
                 response_deserializer=llmcompletions_dot_v2_dot_completions__pb2.CreateCompletionResponse.FromString,
                 _registered_method=True)
+        self.CreateChatCompletion = channel.unary_stream(
+                '/llmcompletions.v2.CompletionService/CreateChatCompletion',
+                request_serializer=llmcompletions_dot_v2_dot_completions__pb2.CreateChatCompletionRequest.SerializeToString,
+                response_deserializer=llmcompletions_dot_v2_dot_completions__pb2.CreateChatCompletionResponse.FromString,
+                _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/llmcompletions.v2.CompletionService/ListModels',
                 request_serializer=llmcompletions_dot_v2_dot_completions__pb2.ListModelsRequest.SerializeToString,
@@ -74,6 +79,20 @@ class CompletionServiceServicer:
         delta of one choice; a choice's last delta carries its `finish_reason`.
         With `stream_options.include_usage` a last message has no choices and
         carries `usage`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateChatCompletion(self, request, context):
+        """Creates a reply to a conversation, rendered with the model's chat template,
+        with tool calls parsed out of the output.
+
+        With `stream` false (the default) the server sends exactly one message:
+        the whole reply. With `stream` true it sends chunks: first the role, then
+        content and tool-call deltas of one choice each; a choice's last chunk
+        carries its `finish_reason`. With `stream_options.include_usage` a last
+        message has no choices and carries `usage`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -114,6 +133,11 @@ def add_CompletionServiceServicer_to_server(servicer, server):
                     servicer.CreateCompletion,
                     request_deserializer=llmcompletions_dot_v2_dot_completions__pb2.CreateCompletionRequest.FromString,
                     response_serializer=llmcompletions_dot_v2_dot_completions__pb2.CreateCompletionResponse.SerializeToString,
+            ),
+            'CreateChatCompletion': grpc.unary_stream_rpc_method_handler(
+                    servicer.CreateChatCompletion,
+                    request_deserializer=llmcompletions_dot_v2_dot_completions__pb2.CreateChatCompletionRequest.FromString,
+                    response_serializer=llmcompletions_dot_v2_dot_completions__pb2.CreateChatCompletionResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
@@ -164,6 +188,33 @@ class CompletionService:
             '/llmcompletions.v2.CompletionService/CreateCompletion',
             llmcompletions_dot_v2_dot_completions__pb2.CreateCompletionRequest.SerializeToString,
             llmcompletions_dot_v2_dot_completions__pb2.CreateCompletionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateChatCompletion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/llmcompletions.v2.CompletionService/CreateChatCompletion',
+            llmcompletions_dot_v2_dot_completions__pb2.CreateChatCompletionRequest.SerializeToString,
+            llmcompletions_dot_v2_dot_completions__pb2.CreateChatCompletionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,173 @@
+"""The chat serving logic: a conversation rendered with the model's chat template, run on the
+engine, tool calls (and reasoning) parsed out of the reply.
+
+Rendering, sampling, parsing and the reply's assembly are vLLM's own chat serving
+(OpenAIServingChat over this server's engine), so that a reply equals `vllm serve`'s for the
+same model and flags. Around it this module applies what the API adds: its limits and errors,
+the backlog bounds, the served names (adapters, and the CPU LoRA fix's stand-in for the base
+model) and its own fingerprint."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from llmcompletions.v2.completions_pb2 import (
+    CreateChatCompletionRequest,
+    CreateChatCompletionResponse,
+)
+from vllm.entrypoints.openai.chat_completion.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+)
+from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+from vllm.entrypoints.openai.models.protocol import BaseModelPath
+from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+from vllm.exceptions import MaxQueuedTokensError, QueueOverflowError, VLLMValidationError
+from vllm.lora.request import LoRARequest
+from vllm.reasoning import ReasoningParserManager
+from vllm.renderers.chat_utils import load_chat_template
+from vllm.renderers.online_renderer import OnlineRenderer
+from vllm.tool_parsers import ToolParserManager
+
+from service.api.backlog import Backlog
+from service.api.chat_replies import ChatReplies, chat_error, error_from
+from service.api.chat_requests import validate_chat_request, vllm_request
+from service.api.errors import PriorityNotEnabledError
+from service.model.adapters import ModelCatalog
+from service.model.engine import ServedModel
+from service.settings import ChatSettings, RequestLimits
+from service.transport.observability import RequestRecord
+
+
+class ChatSettingsError(ValueError):
+    """Chat flags that cannot work together, or name a parser vLLM does not have."""
+
+
+def check_chat_settings(settings: ChatSettings) -> None:
+    """Refuse at start what vLLM would refuse on every request."""
+    if settings.enable_auto_tool_choice and settings.tool_call_parser is None:
+        raise ChatSettingsError("--enable-auto-tool-choice needs --tool-call-parser NAME")
+    known = ToolParserManager.list_registered()
+    if settings.tool_call_parser is not None and settings.tool_call_parser not in known:
+        raise ChatSettingsError(
+            f"--tool-call-parser {settings.tool_call_parser!r} is not one of vLLM's parsers: "
+            + ", ".join(known)
+        )
+    reasoning = ReasoningParserManager.list_registered()
+    if settings.reasoning_parser is not None and settings.reasoning_parser not in reasoning:
+        raise ChatSettingsError(
+            f"--reasoning-parser {settings.reasoning_parser!r} is not one of vLLM's parsers: "
+            + ", ".join(reasoning)
+        )
+    if settings.chat_template is not None and not settings.chat_template.is_file():
+        raise ChatSettingsError(f"--chat-template {settings.chat_template}: no such file")
+
+
+class CatalogChat(OpenAIServingChat):
+    """vLLM's chat serving, with the served names and adapters this server's catalog knows
+    (checked before a request gets here)."""
+
+    catalog: ModelCatalog
+
+    async def _check_model(self, request: Any) -> ErrorResponse | None:
+        return None
+
+    def _maybe_get_adapters(
+        self, request: Any, supports_default_mm_loras: bool = False
+    ) -> LoRARequest | None:
+        return self.catalog.resolve(request.model)
+
+
+def chat_serving(model: ServedModel, settings: ChatSettings) -> CatalogChat:
+    engine = model.engine
+    template = load_chat_template(settings.chat_template) if settings.chat_template else None
+    common: dict[str, Any] = {
+        "request_logger": None,
+        "chat_template": template,
+        "chat_template_content_format": "auto",
+        "trust_request_chat_template": settings.trust_request_chat_template,
+        "enable_auto_tools": settings.enable_auto_tool_choice,
+        "tool_parser": settings.tool_call_parser,
+        "reasoning_parser": settings.reasoning_parser or "",
+    }
+    renderer = OnlineRenderer(
+        model_config=engine.model_config,
+        renderer=engine.renderer,
+        **{**common, "reasoning_parser": settings.reasoning_parser},
+    )
+    renderer.warmup()
+    models = OpenAIServingModels(
+        engine_client=engine,
+        base_model_paths=[BaseModelPath(name=model.name, model_path=str(model.name))],
+    )
+    serving = CatalogChat(
+        engine,
+        models,
+        "assistant",
+        online_renderer=renderer,
+        enable_prompt_tokens_details=True,  # usage.prompt_tokens_details.cached_tokens
+        **common,
+    )
+    serving.catalog = model.catalog
+    return serving
+
+
+class ChatHandler:
+    """Runs chat requests on one served model."""
+
+    def __init__(
+        self, model: ServedModel, limits: RequestLimits, backlog: Backlog, settings: ChatSettings
+    ) -> None:
+        self.model = model
+        self.limits = limits
+        self.backlog = backlog
+        self.serving = chat_serving(model, settings)
+
+    async def complete(
+        self, request: CreateChatCompletionRequest, record: RequestRecord
+    ) -> AsyncIterator[CreateChatCompletionResponse]:
+        """Yield the one whole reply, or the stream chunks; raise CompletionError."""
+        validate_chat_request(
+            request, self.model.vocab_size, self.model.structured_outputs_backend, self.limits
+        )
+        if request.priority and self.model.scheduling_policy != "priority":
+            raise PriorityNotEnabledError(request.priority)
+        self.model.catalog.resolve(request.model)  # 404 unless served
+        self.backlog.check(request.n if request.HasField("n") else 1)
+        # The engine request ids carry the request id, so engine logs can be matched to it.
+        engine_request = vllm_request(request, f"{record.request_id}-{uuid.uuid4().hex[:8]}")
+        replies = ChatReplies(
+            model=request.model,
+            system_fingerprint=self.model.system_fingerprint,
+            usage_asked=request.stream_options.include_usage,
+        )
+        try:
+            async for message in self.run(engine_request, replies):
+                yield message
+        finally:
+            record.prompt_tokens, record.completion_tokens, record.cached_tokens = (
+                replies.token_counts()
+            )
+
+    async def run(
+        self, request: ChatCompletionRequest, replies: ChatReplies
+    ) -> AsyncIterator[CreateChatCompletionResponse]:
+        try:
+            result = await self.serving.create_chat_completion(request)
+        except (QueueOverflowError, MaxQueuedTokensError) as error:
+            raise self.backlog.refusal(error) from error
+        except VLLMValidationError as error:
+            raise chat_error(400, str(error), error.parameter) from error
+        if isinstance(result, ErrorResponse):
+            raise error_from(result)
+        if isinstance(result, ChatCompletionResponse):
+            yield replies.whole(result.model_dump(mode="json"))
+            return
+        async with contextlib.aclosing(result) as events:  # leaving it aborts the engine work
+            async for text in events:
+                for message in replies.events(text):
+                    yield message

@@ -1,0 +1,111 @@
+"""vLLM's chat replies as ours: its whole reply, its stream events and its errors, turned into
+CreateChatCompletionResponse messages and the API's errors."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+from llmcompletions.v2.completions_pb2 import CreateChatCompletionResponse
+from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+from service.api.errors import (
+    CompletionError,
+    EngineUnavailableError,
+    FieldViolation,
+    InternalError,
+    OverloadedError,
+    RequestValidationError,
+)
+
+EVENT_PREFIX = "data: "
+DONE = "[DONE]"
+
+
+class ChatContextError(CompletionError):
+    """A conversation that, rendered, does not fit the model's context (vLLM's message)."""
+
+    grpc_code = grpc.StatusCode.OUT_OF_RANGE
+
+
+class ChatNotFoundError(CompletionError):
+    grpc_code = grpc.StatusCode.NOT_FOUND
+
+
+def chat_error(status: int, message: str, param: str | None = None) -> CompletionError:
+    """vLLM's error (an HTTP status and message) as the API's: a request the model cannot take
+    (over its context) is 400, anything else the caller sent wrong a validation error (422)."""
+    if status == HTTPStatus.BAD_REQUEST:
+        if "context length" in message or "maximum context" in message:
+            return ChatContextError(message)
+        return RequestValidationError([FieldViolation((param or "body",), message, "value_error")])
+    if status == HTTPStatus.NOT_FOUND:
+        return ChatNotFoundError(message)
+    if status == HTTPStatus.TOO_MANY_REQUESTS:
+        return OverloadedError(message)
+    if status == HTTPStatus.SERVICE_UNAVAILABLE:
+        return EngineUnavailableError(message)
+    return InternalError(message)
+
+
+def error_from(response: ErrorResponse) -> CompletionError:
+    return chat_error(response.error.code, response.error.message, response.error.param)
+
+
+@dataclass
+class ChatReplies:
+    """Turns vLLM's reply or events into ours, naming the model as the caller did and with
+    this server's fingerprint; keeps the usage (the request's log line reports it)."""
+
+    model: str
+    system_fingerprint: str
+    usage_asked: bool  # a stream's usage chunk goes to the caller only if it asked
+    usage: dict[str, Any] = field(default_factory=dict)
+
+    def whole(self, reply: dict[str, Any]) -> CreateChatCompletionResponse:
+        self.usage = reply.get("usage") or {}
+        return self.message(reply)
+
+    def events(self, text: str) -> Iterator[CreateChatCompletionResponse]:
+        """The messages of one or more `data: ...` events; an error event raises."""
+        for line in text.split("\n"):
+            if not line.startswith(EVENT_PREFIX) or line == EVENT_PREFIX + DONE:
+                continue
+            event = json.loads(line[len(EVENT_PREFIX) :])
+            if "error" in event:
+                error = event["error"]
+                raise chat_error(error.get("code", 500), error.get("message", ""), None)
+            if event.get("usage"):
+                self.usage = event["usage"]
+                if not event.get("choices") and not self.usage_asked:
+                    continue
+            yield self.message(event)
+
+    def message(self, reply: dict[str, Any]) -> CreateChatCompletionResponse:
+        reply["model"] = self.model
+        if "system_fingerprint" in reply or reply.get("object") == "chat.completion":
+            reply["system_fingerprint"] = self.system_fingerprint
+        if not self.usage_asked and reply.get("object") == "chat.completion.chunk":
+            reply.pop("usage", None)
+        for choice in reply.get("choices", ()):
+            for part in ("message", "delta"):
+                said = choice.get(part)
+                if said and said.get("reasoning") is not None:
+                    said.setdefault("reasoning_content", said.pop("reasoning"))
+        return json_format.ParseDict(
+            reply, CreateChatCompletionResponse(), ignore_unknown_fields=True
+        )
+
+    def token_counts(self) -> tuple[int, int, int]:
+        """Prompt, completion and cached prompt tokens, once the reply's usage is known."""
+        details = self.usage.get("prompt_tokens_details") or {}
+        return (
+            self.usage.get("prompt_tokens", 0),
+            self.usage.get("completion_tokens", 0),
+            details.get("cached_tokens") or 0,
+        )

@@ -1,0 +1,125 @@
+"""A chat request: checked against the API's limits (the rules it shares with a completion
+request, and its own), then turned into vLLM's ChatCompletionRequest, which vLLM's chat serving
+renders and samples from."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pydantic
+from google.protobuf import json_format
+from llmcompletions.v2.completions_pb2 import CreateChatCompletionRequest
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+from service.api.constraints import GUIDED_FIELDS, json_value, structured_outputs
+from service.api.errors import FieldViolation, RequestValidationError, clip
+from service.api.validation import (
+    Violations,
+    check_backend,
+    check_constraint_sizes,
+    check_logit_bias_count,
+    check_numeric_ranges,
+    check_output_constraints,
+    check_stop,
+    check_token_ids,
+    constraint_sizes,
+    declared_ranges,
+)
+from service.settings import RequestLimits
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+CHAT_RANGES = {
+    name: bounds
+    for name, bounds in declared_ranges(CreateChatCompletionRequest.DESCRIPTOR).items()
+    if name != "logit_bias"  # checked per entry, with the token ids
+}
+# Our fields that vLLM's chat request does not have: translated here, or checked and dropped.
+OURS_ONLY = (*GUIDED_FIELDS, "guided_decoding_backend", "guided_whitespace_pattern")
+
+
+def validate_chat_request(
+    request: CreateChatCompletionRequest,
+    vocab_size: int,
+    structured_outputs_backend: str,
+    limits: RequestLimits,
+) -> None:
+    """Raise RequestValidationError listing every violation of the API's own rules; vLLM's
+    request model checks the rest (the forms of messages, tools and tool_choice)."""
+    found = Violations()
+    if not request.model:
+        found.add(("model",), "model is required", "missing")
+    check_messages(request, found)
+    check_numeric_ranges(request, found, CHAT_RANGES)
+    check_stop(request.stop if request.HasField("stop") else None, found)
+    check_token_ids(request, vocab_size, found)
+    check_output_constraints(request, found)
+    check_backend(request, structured_outputs_backend, found)
+    check_constraint_sizes(chat_constraint_sizes(request), limits, found)
+    check_logit_bias_count(request, limits, found)
+    n = request.n if request.HasField("n") else 1
+    if n > limits.max_choices:
+        found.add(("n",), f"n is {n}; at most {limits.max_choices} per request", "too_long")
+    if request.HasField("stream_options") and not request.stream:
+        found.add(("stream_options",), "stream_options is only allowed with stream=true")
+    if found.items:
+        raise RequestValidationError(found.items)
+
+
+def check_messages(request: CreateChatCompletionRequest, found: Violations) -> None:
+    if not request.messages:
+        found.add(("messages",), "messages must hold at least one message", "too_short")
+    for index, message in enumerate(request.messages):
+        if message.role not in ROLES:
+            found.add(
+                ("messages", index, "role"),
+                f"role must be one of {', '.join(ROLES)}, got {message.role!r:.40}",
+                "literal_error",
+            )
+
+
+def chat_constraint_sizes(request: CreateChatCompletionRequest) -> dict[str, int]:
+    """The constraints' sizes, and the tools' (their schemas constrain the output too)."""
+    sizes = constraint_sizes(request)
+    tools = sum(tool.ByteSize() for tool in request.tools)
+    return {**sizes, "tools": tools} if tools else sizes
+
+
+def vllm_request(request: CreateChatCompletionRequest, request_id: str) -> ChatCompletionRequest:
+    """vLLM's chat request for ours: the same JSON, with guided_* as vLLM's structured outputs
+    and usage always asked of a stream (the request's log line counts its tokens)."""
+    body: dict[str, Any] = json_format.MessageToDict(request, preserving_proto_field_name=True)
+    for name in OURS_ONLY:
+        body.pop(name, None)
+    # JSON schemas with their whole numbers as integers again (a Struct holds doubles).
+    for tool, given in zip(body.get("tools", []), request.tools, strict=True):
+        if given.function.HasField("parameters"):
+            tool["function"]["parameters"] = json_value(given.function.parameters)
+    if request.HasField("response_format") and request.response_format.HasField("json_schema"):
+        body["response_format"]["json_schema"]["schema"] = json_value(
+            request.response_format.json_schema.schema
+        )
+    if any(request.HasField(name) for name in GUIDED_FIELDS):
+        constraint = structured_outputs(request)
+        if constraint is not None:
+            body["structured_outputs"] = {
+                key: value
+                for key, value in dataclasses.asdict(constraint).items()
+                if value not in (None, False)
+            }
+    if request.stream:
+        body["stream_options"] = {**body.get("stream_options", {}), "include_usage": True}
+    body["request_id"] = request_id
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except pydantic.ValidationError as error:
+        raise RequestValidationError(
+            [
+                FieldViolation(
+                    tuple(part for part in issue["loc"] if part != "function-after"),
+                    clip(issue["msg"], 320),
+                    issue["type"],
+                )
+                for issue in error.errors()
+            ]
+        ) from error
