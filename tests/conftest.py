@@ -12,6 +12,7 @@ import pytest
 from llmcompletions.v2 import completions_pb2_grpc
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from bench.servers import VllmOpenAIServer
 from service.model.default_model import DEFAULT_SERVED_MODEL_NAME, prepare_default_model
 from tests.processes import TestStack, free_port
 
@@ -23,6 +24,9 @@ SMALL_ENGINE = ["--max-model-len", "512", "--kv-cache-gib", "0.25"]
 AUTH_HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 GRPC_AUTH = (("authorization", f"Bearer {API_KEY}"),)
 ENGINE_START_TIMEOUT = 600
+# Chat replies parse tool calls as `vllm serve --tool-call-parser hermes` does; the same flags
+# for both servers.
+CHAT_FLAGS = ["--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
 # The server's own keepalive, shortened from its defaults (30 s, 20 s) so that a vanished
 # caller is noticed within seconds (tests/test_keepalive.py).
 SERVER_KEEPALIVE_SECONDS = 5
@@ -57,6 +61,7 @@ def stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             str(SERVER_KEEPALIVE_SECONDS),
             "--keepalive-timeout",
             str(SERVER_KEEPALIVE_SECONDS),
+            *CHAT_FLAGS,
         ],
         service_module="tests.fault_injection",  # the real engine, failing on request
         service_log=tmp_path_factory.mktemp("stack") / "service.log",
@@ -86,3 +91,22 @@ def openai_client(stack: TestStack) -> openai.OpenAI:
 def metrics_url(stack: TestStack) -> str:
     port = stack.service_args[stack.service_args.index("--metrics-port") + 1]
     return f"http://127.0.0.1:{port}/metrics"
+
+
+@pytest.fixture(scope="session")
+def vllm_server(model_dir: Path) -> Iterator[str]:
+    """vLLM's own OpenAI server on the same model directory, context length and chat flags,
+    with prefix caching on (as ours has it) and its hits reported."""
+    server = VllmOpenAIServer(
+        model_dir,
+        MODEL,
+        max_model_len=MAX_MODEL_LEN,
+        kv_cache_gib=1,
+        extra_args=["--enable-prompt-tokens-details", *CHAT_FLAGS],
+        prefix_caching=True,
+    )
+    try:
+        server.wait_ready()
+        yield server.base_url
+    finally:
+        server.stop()

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from llmcompletions.v2 import completions_pb2_grpc
 
-from bench.servers import VllmOpenAIServer
-from tests.conftest import MAX_MODEL_LEN, MODEL
+from tests.conftest import MODEL
 from tests.helpers import CAPITAL_PROMPT, complete, grpc_complete, stream_chunks
 
 PROMPTS = [CAPITAL_PROMPT, "def fibonacci(n):", "Once upon a time, in a small village,"]
@@ -29,25 +26,6 @@ FIELD_VARIANTS = [
     {"stop": ["."], "include_stop_str_in_output": True},
     {"min_tokens": 20, "stop_token_ids": [13]},
 ]
-
-
-@pytest.fixture(scope="module")
-def vllm_server(model_dir: Path) -> Iterator[str]:
-    """vLLM's own OpenAI server on the same model directory and context length, with prefix
-    caching on (as ours has it) and its hits reported."""
-    server = VllmOpenAIServer(
-        model_dir,
-        MODEL,
-        max_model_len=MAX_MODEL_LEN,
-        kv_cache_gib=1,
-        extra_args=["--enable-prompt-tokens-details"],
-        prefix_caching=True,
-    )
-    try:
-        server.wait_ready()
-        yield server.base_url
-    finally:
-        server.stop()
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

@@ -19,7 +19,16 @@ if TYPE_CHECKING:
 UNIT_DIR = Path(__file__).parent
 # Fixtures of tests/conftest.py that start the stack or prepare the real model.
 HEAVY_FIXTURES = frozenset(
-    {"stack", "rest", "grpc_stub", "openai_client", "metrics_url", "model_dir", "tokenizer"}
+    {
+        "stack",
+        "rest",
+        "grpc_stub",
+        "openai_client",
+        "metrics_url",
+        "model_dir",
+        "tokenizer",
+        "vllm_server",
+    }
 )
 
 
