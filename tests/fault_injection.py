@@ -23,7 +23,7 @@ from service.settings import EngineSettings
 from service.transport import server
 
 # Engine request ids start with the request id (service.api.completions).
-FAULT = re.compile(r"^inject-engine-error-after-(\d{1,6})-")
+FAULT = re.compile(r"^(?:chatcmpl-)?inject-engine-error-after-(\d{1,6})-")
 
 
 def fault_request_id(after: int) -> str:

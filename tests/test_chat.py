@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 from typing import Any
 
 import grpc
@@ -16,7 +17,10 @@ from google.protobuf import json_format
 from llmcompletions.v2 import completions_pb2_grpc
 from llmcompletions.v2.completions_pb2 import CreateChatCompletionRequest
 
-from tests.conftest import GRPC_AUTH, MODEL
+from tests.conftest import API_KEY, GRPC_AUTH, MODEL
+from tests.fault_injection import fault_request_id
+from tests.processes import TestStack
+from tests.test_grpc_tooling import GRPCURL
 
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 CONVERSATIONS = {
@@ -325,3 +329,58 @@ def test_the_openai_sdk_chats_streams_and_calls_tools(openai_client: openai.Open
     (call,) = called.choices[0].message.tool_calls or []
     assert call.function.name == "get_weather"
     json.loads(call.function.arguments)  # a JSON string (what the model chose is vLLM's call)
+
+
+def test_tokenize_counts_a_conversation_as_the_chat_reply_does(rest: httpx.Client) -> None:
+    body = chat_body(CONVERSATIONS["system and turns"], max_completion_tokens=2)
+    counted = rest.post("/v2/tokenize", json={"model": MODEL, "messages": body["messages"]}).json()
+    assert counted["count"] == ours(rest, body)["usage"]["prompt_tokens"]
+    assert len(counted["tokens"]) == counted["count"]
+    with_tools = rest.post(
+        "/v2/tokenize",
+        json={"model": MODEL, "messages": WEATHER_QUESTION, "tools": [WEATHER_TOOL]},
+    ).json()
+    asked = chat_body(WEATHER_QUESTION, max_completion_tokens=2, tools=[WEATHER_TOOL])
+    assert with_tools["count"] == ours(rest, asked)["usage"]["prompt_tokens"]
+    both = rest.post(
+        "/v2/tokenize", json={"model": MODEL, "prompt": "Hi", "messages": WEATHER_QUESTION}
+    )
+    assert both.status_code == 422
+
+
+def test_grpcurl_calls_the_chat_method(stack: TestStack) -> None:
+    request = json.dumps(chat_body(CAPITAL, max_completion_tokens=8))
+    called = subprocess.run(
+        [
+            GRPCURL,
+            "-plaintext",
+            "-H",
+            f"authorization: Bearer {API_KEY}",
+            "-d",
+            request,
+            stack.grpc_target,
+            "llmcompletions.v2.CompletionService/CreateChatCompletion",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert called.returncode == 0, called.stderr
+    reply = json.loads(called.stdout)
+    assert reply["object"] == "chat.completion"
+    assert "Paris" in reply["choices"][0]["message"]["content"]
+
+
+def test_a_mid_stream_failure_is_an_error_event(rest: httpx.Client) -> None:
+    body = chat_body(CAPITAL, max_completion_tokens=200, ignore_eos=True, stream=True)
+    with rest.stream(
+        "POST", "/v2/chat/completions", json=body, headers={"x-request-id": fault_request_id(3)}
+    ) as response:
+        assert response.status_code == 200
+        events = [line.removeprefix("data: ") for line in response.iter_lines() if line]
+    assert events[-1] != "[DONE]"
+    error = json.loads(events[-1])
+    assert list(error) == ["error"]
+    assert error["error"]["status_code"] == 500
+    assert error["error"]["content"]["timestamp"]
+    assert all("choices" in json.loads(event) for event in events[:-1])

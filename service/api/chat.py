@@ -153,6 +153,22 @@ class ChatHandler:
                 replies.token_counts()
             )
 
+    async def prompt_token_ids(self, request: CreateChatCompletionRequest) -> list[int]:
+        """The conversation rendered and tokenized exactly as a chat request renders it."""
+        validate_chat_request(
+            request, self.model.vocab_size, self.model.structured_outputs_backend, self.limits
+        )
+        self.model.catalog.resolve(request.model)  # 404 unless served
+        rendered = await self.serving.online_renderer.render_chat(vllm_request(request, "tokenize"))
+        if isinstance(rendered, ErrorResponse):
+            raise error_from(rendered)
+        _, engine_inputs = rendered
+        return [
+            token
+            for engine_input in engine_inputs
+            for token in self.serving._extract_prompt_components(engine_input).token_ids or ()
+        ]
+
     async def run(
         self, request: ChatCompletionRequest, replies: ChatReplies
     ) -> AsyncIterator[CreateChatCompletionResponse]:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pydantic
 from google.protobuf import json_format
-from llmcompletions.v2.completions_pb2 import CreateChatCompletionRequest
+from llmcompletions.v2.completions_pb2 import CreateChatCompletionRequest, TokenizeRequest
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
 from service.api.constraints import GUIDED_FIELDS, json_value, structured_outputs
@@ -123,3 +123,19 @@ def vllm_request(request: CreateChatCompletionRequest, request_id: str) -> ChatC
                 for issue in error.errors()
             ]
         ) from error
+
+
+def conversation_of(request: TokenizeRequest) -> CreateChatCompletionRequest:
+    """A Tokenize request's conversation as the chat request that would render it."""
+    conversation = CreateChatCompletionRequest(
+        model=request.model,
+        messages=request.messages,
+        tools=request.tools,
+        chat_template_kwargs=request.chat_template_kwargs,
+    )
+    for name in ("add_generation_prompt", "continue_final_message"):
+        if request.HasField(name):
+            setattr(conversation, name, getattr(request, name))
+    if not request.HasField("chat_template_kwargs"):
+        conversation.ClearField("chat_template_kwargs")
+    return conversation

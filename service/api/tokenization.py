@@ -14,6 +14,9 @@ from llmcompletions.v2.completions_pb2 import (
 )
 
 from service.api.backlog import Backlog
+from service.api.chat import ChatHandler
+from service.api.chat_requests import conversation_of
+from service.api.errors import FieldViolation, RequestValidationError
 from service.api.prompts import prepare_prompts
 from service.api.validation import (
     check_prompt_tokens,
@@ -26,14 +29,22 @@ from service.settings import RequestLimits
 
 class Tokenization:
     def __init__(
-        self, model: ServedModel, limits: RequestLimits, tokenizing: Executor, backlog: Backlog
+        self,
+        model: ServedModel,
+        limits: RequestLimits,
+        tokenizing: Executor,
+        backlog: Backlog,
+        chat: ChatHandler,
     ) -> None:
         self.model = model
         self.limits = limits
         self.tokenizing = tokenizing
         self.backlog = backlog  # a call waiting for the tokenizer counts as one sequence
+        self.chat = chat  # renders a conversation as a chat request would
 
     async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+        if request.messages:
+            return await self.tokenize_conversation(request)
         prompts = validate_tokenize_request(request, self.model.vocab_size, self.limits)
         self.model.catalog.resolve(request.model)  # 404 unless served; adapters share the tokenizer
         add_special_tokens = (
@@ -50,6 +61,17 @@ class Tokenization:
             count=sum(counts),
             max_model_len=self.model.max_model_len,
             counts=counts if len(counts) > 1 else [],
+        )
+
+    async def tokenize_conversation(self, request: TokenizeRequest) -> TokenizeResponse:
+        if request.HasField("prompt"):
+            raise RequestValidationError(
+                [FieldViolation(("prompt",), "give prompt or messages, not both", "value_error")]
+            )
+        with self.backlog.preparing(1):
+            tokens = await self.chat.prompt_token_ids(conversation_of(request))
+        return TokenizeResponse(
+            tokens=tokens, count=len(tokens), max_model_len=self.model.max_model_len
         )
 
     async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:

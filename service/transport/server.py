@@ -152,7 +152,7 @@ def serving(model: ServedModel, settings: ServerSettings) -> Serving:
     watch_backlog(backlog)
     completions = CompletionHandler(model, settings.limits, backlog)
     chat = ChatHandler(model, settings.limits, backlog, settings.chat)
-    tokenization = Tokenization(model, settings.limits, completions.tokenizing, backlog)
+    tokenization = Tokenization(model, settings.limits, completions.tokenizing, backlog, chat)
     return Serving(completions, chat, ModelListing(model), tokenization)
 
 
