@@ -59,6 +59,7 @@ PICKER_FILTER = "llmcompletions.replica_picker"
 PICKER_TIMEOUT = "0.2s"
 SERVICE = completions_pb2.DESCRIPTOR.services_by_name["CompletionService"]
 CREATE_COMPLETION = SERVICE.methods_by_name["CreateCompletion"].full_name
+CREATE_CHAT_COMPLETION = SERVICE.methods_by_name["CreateChatCompletion"].full_name
 # Where a prompt's text or token ids sit in its google.protobuf.Value (a string, a list of
 # strings, a list of token ids, or a list of token-id lists).
 PROMPT_FIELDS = (
@@ -67,6 +68,10 @@ PROMPT_FIELDS = (
     "prompt.list_value.values.number_value",
     "prompt.list_value.values.list_value.values.number_value",
 )
+
+# A conversation's messages with text content, in order: its turns share a leading part, so
+# that a conversation stays on the replica whose cache holds its earlier turns.
+MESSAGE_FIELDS = ("messages.content.string_value",)
 
 
 @dataclass(frozen=True)
@@ -101,12 +106,13 @@ def methods_with_model() -> list[str]:
 
 def extracted_fields(by_model: bool, affinity: PrefixAffinity | None) -> dict[str, list[str]]:
     """The request fields Envoy reads, by method: `model` to route between pools, and a
-    completion's model and prompt for its key."""
+    completion's model and prompt, or a chat's model and messages, for its key."""
     fields: dict[str, list[str]] = {}
     if by_model:
         fields = {method: ["model"] for method in methods_with_model()}
     if affinity is not None:
         fields[CREATE_COMPLETION] = ["model", *PROMPT_FIELDS]
+        fields[CREATE_CHAT_COMPLETION] = ["model", *MESSAGE_FIELDS]
     return fields
 
 

@@ -9,8 +9,9 @@
 --   or with a name longer than any served one, loses any x-model a client sent and takes the
 --   route to any pool, whose replica answers it (a 404 for a name nobody serves).
 -- x-prefix-key: a digest of a completion's model and the leading part of its first prompt
---   (its first PREFIX_CHARS bytes of text, or first PREFIX_TOKENS token ids): Envoy hashes it
---   to pick the replica. Any x-prefix-key a client sent is dropped.
+--   (its first PREFIX_CHARS bytes of text, or first PREFIX_TOKENS token ids), or of a chat's
+--   model and the text of its messages in order (a conversation's turns share it): Envoy
+--   hashes it to pick the replica. Any x-prefix-key a client sent is dropped.
 -- x-prefix-path: for the replica picker (PREFIX_PATH), "BASE LENGTH KEY...": the prompt's
 --   length (bytes of text, or token ids) and digests of its first BASE, 1.5 BASE, 2 BASE,
 --   3 BASE, 4 BASE, ... units (facade/picker/policy.py's level_depth), up to its whole length
@@ -107,6 +108,11 @@ end
 -- The first prompt: its text, or else its token ids, and whether those are a batch's, all its
 -- prompts' ids in one list (the field extraction does not keep where each one ends).
 local function first_prompt(fields)
+  local messages = fields["messages.content.string_value"]
+  if messages ~= nil and messages[1] ~= nil then
+    -- A chat: its messages' text, each ended, so that "ab" + "c" and "a" + "bc" differ.
+    return "chat:" .. table.concat(messages, "\n\0") .. "\n\0", nil, false
+  end
   local text = first(fields["prompt.string_value"])
     or first(fields["prompt.list_value.values.string_value"])
   if text ~= nil then

@@ -230,6 +230,34 @@ def test_requests_sharing_a_prefix_land_on_one_replica_on_both_surfaces(fleet: F
     assert sorted(homes.count(r.grpc_target) for r in fleet.replicas) == [4, 4], homes
 
 
+def chat_host(fleet: Fleet, messages: list[dict[str, Any]]) -> str:
+    reply = httpx.post(
+        f"{fleet.base_url}/v2/chat/completions",
+        json={"model": MODEL, "messages": messages, "temperature": 0, "max_completion_tokens": 2},
+        timeout=120,
+    )
+    assert reply.status_code == 200, reply.text[:300]
+    return reply.headers[HOST_HEADER]
+
+
+def test_a_conversations_turns_stay_on_one_replica(fleet: Fleet) -> None:
+    homes: list[str] = []
+    for label in range(6):
+        messages: list[dict[str, Any]] = [
+            {"role": "user", "content": shared_prefix(f"conversation {label}")}
+        ]
+        hosts = set()
+        for turn in range(3):
+            hosts.add(chat_host(fleet, messages))
+            messages += [
+                {"role": "assistant", "content": f"Answer {turn}."},
+                {"role": "user", "content": f"And then {turn}?"},
+            ]
+        assert len(hosts) == 1, f"conversation {label} went to {hosts}"
+        homes.extend(hosts)
+    assert len(set(homes)) == 2, homes  # the conversations themselves spread over both
+
+
 def test_shared_instructions_do_not_pull_the_documents_after_them_together(fleet: Fleet) -> None:
     # Instructions longer than the key (Envoy's hashing alone would key every prompt alike),
     # then a document of each prompt's own, more than twice as long.

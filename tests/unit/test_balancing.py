@@ -194,11 +194,15 @@ def test_least_request_adds_no_key_and_no_twin() -> None:
     assert balancing.EXTRACTION not in names and balancing.ROUTING_FILTER not in names
 
 
-def test_envoy_reads_the_model_and_prompt_of_completions_only() -> None:
+def test_envoy_reads_the_model_and_prompt_of_completions_and_chats_only() -> None:
     fields = balancing.extracted_fields(by_model=False, affinity=AFFINITY)
-    assert fields == {balancing.CREATE_COMPLETION: ["model", *balancing.PROMPT_FIELDS]}
+    assert fields == {
+        balancing.CREATE_COMPLETION: ["model", *balancing.PROMPT_FIELDS],
+        balancing.CREATE_CHAT_COMPLETION: ["model", *balancing.MESSAGE_FIELDS],
+    }
     with_pools = balancing.extracted_fields(by_model=True, affinity=AFFINITY)
-    assert with_pools[balancing.CREATE_COMPLETION] == fields[balancing.CREATE_COMPLETION]
+    for keyed in (balancing.CREATE_COMPLETION, balancing.CREATE_CHAT_COMPLETION):
+        assert with_pools[keyed] == fields[keyed]
     assert all(names == ["model"] for method, names in with_pools.items() if "Create" not in method)
 
 
