@@ -71,3 +71,31 @@ def test_async_client_completes_and_streams(stack: TestStack) -> None:
 
     whole, streamed = asyncio.run(run())
     assert whole.startswith(" Paris") and streamed == whole
+
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+
+
+def test_clients_chat_whole_and_streamed_alike(stack: TestStack) -> None:
+    with CompletionClient(stack.grpc_target, api_key=API_KEY) as client:
+        whole = client.chat(**CHAT, max_completion_tokens=12, temperature=0)
+        chunks = list(client.chat_stream(**CHAT, max_completion_tokens=12, temperature=0))
+
+    async def run() -> str:
+        async with AsyncCompletionClient(stack.grpc_target, api_key=API_KEY) as client:
+            reply = await client.chat(**CHAT, max_completion_tokens=12, temperature=0)
+            streamed = [
+                chunk.choices[0].delta.content
+                async for chunk in client.chat_stream(
+                    **CHAT, max_completion_tokens=12, temperature=0
+                )
+                if chunk.choices
+            ]
+            assert "".join(streamed) == reply.choices[0].message.content
+            return reply.choices[0].message.content
+
+    content = whole.choices[0].message.content
+    assert "Paris" in content and whole.object == "chat.completion"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content for c in chunks if c.choices) == content
+    assert asyncio.run(run()) == content

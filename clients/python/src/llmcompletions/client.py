@@ -9,7 +9,13 @@
 
 Fields are the request's JSON fields as keyword arguments (`prompt` may be a string, a list
 of strings, a list of token ids or a list of token-id lists); a ready-made
-CreateCompletionRequest may be passed instead.
+CreateCompletionRequest may be passed instead. Chat works the same way:
+
+        reply = client.chat(model="smollm2-135m-instruct",
+                            messages=[{"role": "user", "content": "Hello"}])
+        print(reply.choices[0].message.content)
+        for chunk in client.chat_stream(model="smollm2-135m-instruct", messages=[...]):
+            print(chunk.choices[0].delta.content if chunk.choices else "", end="")
 
 Over TLS, pass `tls=Tls(ca_file=...)` (and `cert_file`, `key_file` for mutual TLS):
 
@@ -23,13 +29,18 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import json_format
 
 from llmcompletions.v2 import completions_pb2_grpc
-from llmcompletions.v2.completions_pb2 import CreateCompletionRequest, CreateCompletionResponse
+from llmcompletions.v2.completions_pb2 import (
+    CreateChatCompletionRequest,
+    CreateChatCompletionResponse,
+    CreateCompletionRequest,
+    CreateCompletionResponse,
+)
 
 Metadata = Sequence[tuple[str, str]]
 DEFAULT_TIMEOUT_SECONDS = 300.0
@@ -70,15 +81,27 @@ class Tls:
         )
 
 
+Request = TypeVar("Request", CreateCompletionRequest, CreateChatCompletionRequest)
+
+
 def build_request(
     request: CreateCompletionRequest | None = None, stream: bool = False, **fields: Any
 ) -> CreateCompletionRequest:
-    built = CreateCompletionRequest()
-    if request is not None:
-        built.CopyFrom(request)
-    json_format.ParseDict(fields, built)
-    built.stream = stream
-    return built
+    return built(CreateCompletionRequest(), request, stream, fields)
+
+
+def build_chat_request(
+    request: CreateChatCompletionRequest | None = None, stream: bool = False, **fields: Any
+) -> CreateChatCompletionRequest:
+    return built(CreateChatCompletionRequest(), request, stream, fields)
+
+
+def built(empty: Request, given: Request | None, stream: bool, fields: dict[str, Any]) -> Request:
+    if given is not None:
+        empty.CopyFrom(given)
+    json_format.ParseDict(fields, empty)
+    empty.stream = stream
+    return empty
 
 
 def call_metadata(api_key: str | None, metadata: Metadata) -> list[tuple[str, str]]:
@@ -134,6 +157,38 @@ class CompletionClient:
         """Text deltas as they are generated (`stream` true)."""
         yield from self._stub.CreateCompletion(
             build_request(request, stream=True, **fields),
+            timeout=timeout or self._timeout,
+            metadata=call_metadata(self._api_key, metadata),
+        )
+
+    def chat(
+        self,
+        request: CreateChatCompletionRequest | None = None,
+        *,
+        timeout: float | None = None,
+        metadata: Metadata = (),
+        **fields: Any,
+    ) -> CreateChatCompletionResponse:
+        """The whole chat reply (`stream` false): exactly one message."""
+        (response,) = self._stub.CreateChatCompletion(
+            build_chat_request(request, stream=False, **fields),
+            timeout=timeout or self._timeout,
+            metadata=call_metadata(self._api_key, metadata),
+        )
+        return response
+
+    def chat_stream(
+        self,
+        request: CreateChatCompletionRequest | None = None,
+        *,
+        timeout: float | None = None,
+        metadata: Metadata = (),
+        **fields: Any,
+    ) -> Iterator[CreateChatCompletionResponse]:
+        """The reply's chunks as they are generated (`stream` true): the role first, then
+        content and tool-call deltas, each choice's last with its finish_reason."""
+        yield from self._stub.CreateChatCompletion(
+            build_chat_request(request, stream=True, **fields),
             timeout=timeout or self._timeout,
             metadata=call_metadata(self._api_key, metadata),
         )
@@ -210,6 +265,39 @@ class AsyncCompletionClient:
             timeout=timeout or self._timeout,
             metadata=call_metadata(self._api_key, metadata),
         )
+
+    async def chat(
+        self,
+        request: CreateChatCompletionRequest | None = None,
+        *,
+        timeout: float | None = None,
+        metadata: Metadata = (),
+        **fields: Any,
+    ) -> CreateChatCompletionResponse:
+        (response,) = [
+            message
+            async for message in self._stub.CreateChatCompletion(
+                build_chat_request(request, stream=False, **fields),
+                timeout=timeout or self._timeout,
+                metadata=call_metadata(self._api_key, metadata),
+            )
+        ]
+        return response
+
+    async def chat_stream(
+        self,
+        request: CreateChatCompletionRequest | None = None,
+        *,
+        timeout: float | None = None,
+        metadata: Metadata = (),
+        **fields: Any,
+    ) -> AsyncIterator[CreateChatCompletionResponse]:
+        async for message in self._stub.CreateChatCompletion(
+            build_chat_request(request, stream=True, **fields),
+            timeout=timeout or self._timeout,
+            metadata=call_metadata(self._api_key, metadata),
+        ):
+            yield message
 
     async def close(self) -> None:
         await self._channel.close()
