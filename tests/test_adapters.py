@@ -1,6 +1,9 @@
 """LoRA adapters by name on the real engine: each adapter's output equals vLLM's own OpenAI
 server with the same adapters, differs from the base model's, and stays its own in a batch
-mixed with the base model and other adapters; bad adapters stop the server at start-up."""
+mixed with the base model and other adapters; bad adapters stop the server at start-up.
+
+Both servers here run without chat flags, so chat through an adapter and the tool choices
+that need `--tool-call-parser` are checked here too."""
 
 from __future__ import annotations
 
@@ -127,6 +130,44 @@ def test_adapter_greedy_text_and_logprobs_equal_vllm_and_differ_from_base(
     assert text(ours) == text(theirs)
     assert_logprobs_close(ours["choices"][0]["logprobs"], theirs["choices"][0]["logprobs"])
     assert text(ours) != text(completion(rest, MODEL, prompt=prompt))
+
+
+def chat(url: str, model: str, **fields: Any) -> httpx.Response:
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    payload = {"model": model, "messages": messages, "temperature": 0, **fields}
+    return httpx.post(url, json=payload, timeout=120)
+
+
+def test_adapter_chat_equals_vllm_and_differs_from_base(
+    rest: httpx.Client, vllm_server: str
+) -> None:
+    ours = chat(f"{rest.base_url}/v2/chat/completions", "a1", max_completion_tokens=16).json()
+    theirs = chat(f"{vllm_server}/v1/chat/completions", "a1", max_completion_tokens=16).json()
+    base = chat(f"{rest.base_url}/v2/chat/completions", MODEL, max_completion_tokens=16).json()
+    content = ours["choices"][0]["message"]["content"]
+    assert ours["model"] == "a1"
+    assert content == theirs["choices"][0]["message"]["content"]
+    assert content != base["choices"][0]["message"]["content"]
+
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    "tool_choice", ["auto", "required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+def test_tool_choices_needing_a_parser_are_refused_as_vllm_refuses_them(
+    rest: httpx.Client, vllm_server: str, tool_choice: Any
+) -> None:
+    fields = {"tools": [TOOL], "tool_choice": tool_choice, "max_completion_tokens": 8}
+    ours = chat(f"{rest.base_url}/v2/chat/completions", MODEL, **fields)
+    theirs = chat(f"{vllm_server}/v1/chat/completions", MODEL, **fields)
+    assert theirs.status_code == 400  # vLLM's own server refuses it too
+    assert ours.status_code == 422, ours.text
+    (violation,) = ours.json()["detail"]
+    assert "--tool-call-parser" in violation["msg"]
+    if tool_choice == "auto":
+        assert "--enable-auto-tool-choice" in violation["msg"]
 
 
 def test_adapter_echo_logprobs_equal_vllm(rest: httpx.Client, vllm_server: str) -> None:
