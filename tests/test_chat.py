@@ -19,6 +19,7 @@ from llmcompletions.v2.completions_pb2 import CreateChatCompletionRequest
 
 from tests.conftest import API_KEY, GRPC_AUTH, MODEL
 from tests.fault_injection import fault_request_id
+from tests.metrics import sample
 from tests.processes import TestStack
 from tests.test_grpc_tooling import GRPCURL
 
@@ -384,3 +385,24 @@ def test_a_mid_stream_failure_is_an_error_event(rest: httpx.Client) -> None:
     assert error["error"]["status_code"] == 500
     assert error["error"]["content"]["timestamp"]
     assert all("choices" in json.loads(event) for event in events[:-1])
+
+
+def test_guided_fields_constrain_a_chat_reply_as_vllms_structured_outputs(
+    rest: httpx.Client, vllm_server: str
+) -> None:
+    choices = ["Lyon", "Marseille", "Nice"]  # Paris, the likely answer, is not among them
+    mine = ours(rest, chat_body(CAPITAL, max_completion_tokens=8, guided_choice=choices))
+    peer = theirs(
+        vllm_server,
+        chat_body(CAPITAL, max_completion_tokens=8, structured_outputs={"choice": choices}),
+    )
+    content = mine["choices"][0]["message"]["content"]
+    assert content in choices
+    assert content == peer["choices"][0]["message"]["content"]
+
+
+def test_chat_calls_are_counted_apart(rest: httpx.Client, metrics_url: str) -> None:
+    chat_ok = {"method": "CreateChatCompletion", "code": "OK"}
+    before = sample(metrics_url, "llmcompletions_requests_total", **chat_ok)
+    ours(rest, chat_body(CAPITAL, max_completion_tokens=2))
+    assert sample(metrics_url, "llmcompletions_requests_total", **chat_ok) == before + 1
