@@ -24,7 +24,7 @@ import psutil
 import pytest
 from google.protobuf import json_format
 from llmcompletions.v2 import completions_pb2_grpc
-from llmcompletions.v2.completions_pb2 import CreateCompletionRequest
+from llmcompletions.v2.completions_pb2 import CreateChatCompletionRequest, CreateCompletionRequest
 
 from service.api.errors import OverloadedError
 from tests.conftest import API_KEY, AUTH_HEADERS, ENGINE_START_TIMEOUT, MODEL, SMALL_ENGINE
@@ -263,6 +263,25 @@ async def occupied_batch(
     return running
 
 
+async def chat_calls(on: Surfaces) -> list[Outcome]:
+    """One chat request on each surface, whole: how each ended."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    rest = Outcome("", started=time.monotonic())
+    response = await on.rest.post("/v2/chat/completions", json=body)
+    rest.status, rest.detail = str(response.status_code), response.text
+    rest.retry_after, rest.ended = response.headers.get("retry-after"), time.monotonic()
+    request = json_format.ParseDict(body, CreateChatCompletionRequest())
+    grpc_call = Outcome("OK", started=time.monotonic())
+    try:
+        async for _ in on.grpc.CreateChatCompletion(request, timeout=60):
+            pass
+    except grpc.aio.AioRpcError as error:
+        grpc_call.status, grpc_call.detail = error.code().name, error.details() or ""
+        grpc_call.retry_after = dict(error.trailing_metadata() or ()).get("retry-after")
+    grpc_call.ended = time.monotonic()
+    return [rest, grpc_call]
+
+
 def refused_at_once(outcome: Outcome) -> bool:
     return outcome.retry_after == RETRY_AFTER and outcome.ended - outcome.started < (
         REFUSED_WITHIN_SECONDS
@@ -294,14 +313,15 @@ def test_past_the_backlog_bound_requests_are_refused_at_once_and_the_rest_is_ser
                     *(on.grpc_call(over) for _ in range(20)),
                 )
             growth = tree_rss(service_pid) - rss_before
+            refused += await chat_calls(on)
             return await asyncio.gather(*holding), refused, growth
 
     served, refused, growth = asyncio.run(scenario())
     assert [outcome.status for outcome in served] == ["OK"] * holders
     assert all(outcome.finish_reasons == ["length"] * BATCH for outcome in served)
     assert collections.Counter(outcome.status for outcome in refused) == {
-        "429": 100,
-        "RESOURCE_EXHAUSTED": 100,
+        "429": 101,
+        "RESOURCE_EXHAUSTED": 101,
     }
     assert all(refused_at_once(outcome) for outcome in refused)
     assert all("at capacity" in outcome.detail for outcome in refused)
