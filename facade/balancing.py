@@ -45,9 +45,19 @@ from facade.envoy_config import (
     replica_clusters,
     routes,
 )
-from facade.picker import CLUSTER_METADATA, REPLICA_HEADER
+from facade.picker import CLUSTER_METADATA
+from facade.picker.protocol import (
+    CANCEL_HEADER,
+    DESTINATION_HEADER,
+    LB_NAMESPACE,
+    LOAD_REPORT_TRAILER,
+    REQUEST_ID_HEADER,
+    SERVED_KEY,
+    SUBSET_NAMESPACE,
+)
 
 ROUTING_LUA_FILE = FACADE_DIR / "routing.lua"
+SERVED_LUA_FILE = FACADE_DIR / "served_endpoint.lua"
 BALANCE_POLICIES = ("prefix", "prefix-hash", "least-request")
 PREFIX_HEADER = "x-prefix-key"
 PATH_HEADER = "x-prefix-path"
@@ -55,11 +65,14 @@ TWIN_SUFFIX = "_prefix"  # a cluster's twin balanced by key
 EXTRACTION = "envoy.filters.http.grpc_field_extraction"
 ROUTING_FILTER = "llmcompletions.routing"
 PICKER_FILTER = "llmcompletions.replica_picker"
+SERVED_HEADER_FILTER = "llmcompletions.served_endpoint_header"
+SERVED_METADATA_FILTER = "llmcompletions.served_endpoint"
 # How long a request waits for the picker's answer before Envoy balances it by hash instead.
 PICKER_TIMEOUT = "0.2s"
 SERVICE = completions_pb2.DESCRIPTOR.services_by_name["CompletionService"]
 CREATE_COMPLETION = SERVICE.methods_by_name["CreateCompletion"].full_name
 CREATE_CHAT_COMPLETION = SERVICE.methods_by_name["CreateChatCompletion"].full_name
+CANCEL_COMPLETION = SERVICE.methods_by_name["CancelCompletion"].full_name
 # Where a prompt's text or token ids sit in its google.protobuf.Value (a string, a list of
 # strings, a list of token ids, or a list of token-id lists).
 PROMPT_FIELDS = (
@@ -113,6 +126,8 @@ def extracted_fields(by_model: bool, affinity: PrefixAffinity | None) -> dict[st
     if affinity is not None:
         fields[CREATE_COMPLETION] = ["model", *PROMPT_FIELDS]
         fields[CREATE_CHAT_COMPLETION] = ["model", *MESSAGE_FIELDS]
+    if fields:  # the picker's, for a cancel: its request id (and its model, for its pool)
+        fields[CANCEL_COMPLETION] = ["model", "request_id"] if by_model else ["request_id"]
     return fields
 
 
@@ -181,7 +196,10 @@ def picked_policy(fallback: dict[str, Any]) -> dict[str, Any]:
             "typed_config": {
                 "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies."
                 "override_host.v3.OverrideHost",
-                "override_host_sources": [{"header": REPLICA_HEADER}],
+                "override_host_sources": [
+                    {"metadata": {"key": LB_NAMESPACE, "path": [{"key": DESTINATION_HEADER}]}},
+                    {"header": DESTINATION_HEADER},
+                ],
                 "fallback_policy": {"policies": [fallback]},
             },
         }
@@ -229,6 +247,66 @@ def keyed_route(route: dict[str, Any]) -> dict[str, Any]:
         retries["host_selection_retry_max_attempts"] = KEYED_HOST_SELECTION_ATTEMPTS
         retries["num_retries"] = KEYED_RETRIES
     return keyed
+
+
+# A cancel asks the replica the picker names first, then the others, one by one, while each
+# answers NOT_FOUND (it does not hold the request): every replica of a pool listed by address,
+# up to this many of one named by DNS (or of several pools).
+CANCEL_ATTEMPTS = 32
+CANCEL_PATH = f"/{SERVICE.full_name}/CancelCompletion"
+GRPC_NOT_FOUND = "5"
+
+
+def cancel_attempts(cluster: dict[str, Any]) -> int:
+    """The replicas a cancel may have to ask: those the cluster lists, if it lists them all."""
+    if cluster.get("type") == "STRICT_DNS" or "load_assignment" not in cluster:
+        return CANCEL_ATTEMPTS
+    return sum(len(group["lb_endpoints"]) for group in cluster["load_assignment"]["endpoints"])
+
+
+def cancel_route(route: dict[str, Any], cluster: str, attempts: int) -> dict[str, Any]:
+    """The route's CancelCompletion calls: to `cluster`, retried on the next replica while one
+    answers NOT_FOUND."""
+    cancel = copy.deepcopy(route)
+    cancel["match"].pop("prefix", None)
+    cancel["match"]["path"] = CANCEL_PATH
+    cancel["route"]["cluster"] = cluster
+    cancel["route"].pop("hash_policy", None)
+    cancel["route"]["retry_policy"] = {
+        "retry_on": "retriable-headers,connect-failure,refused-stream,reset-before-request,"
+        "unavailable",
+        "retriable_headers": [{"name": "grpc-status", "string_match": {"exact": GRPC_NOT_FOUND}}],
+        "num_retries": attempts - 1,
+        "retry_back_off": {"base_interval": "0.001s", "max_interval": "0.01s"},
+        "retry_host_predicate": [
+            {
+                "name": "envoy.retry_host_predicates.previous_hosts",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts."
+                    "v3.PreviousHostsPredicate"
+                },
+            }
+        ],
+        "host_selection_retry_max_attempts": KEYED_HOST_SELECTION_ATTEMPTS,
+    }
+    return cancel
+
+
+def add_cancel_routes(config: dict[str, Any], picked: bool) -> None:
+    """Each route to replicas is preceded by one for cancels, to the same replicas: through
+    the picker's twin when `picked` (the picker knows which replica holds the request), else
+    the cluster itself."""
+    clusters = {cluster["name"]: cluster for cluster in config["static_resources"]["clusters"]}
+    all_routes = routes(config)
+    with_cancels = []
+    for route in all_routes:
+        name = route.get("route", {}).get("cluster")
+        if name is not None and not name.endswith(TWIN_SUFFIX):
+            target = twin_name(name) if picked and twin_name(name) in clusters else name
+            attempts = cancel_attempts(clusters[name])
+            with_cancels.append(cancel_route(route, target, attempts))
+        with_cancels.append(route)
+    all_routes[:] = with_cancels
 
 
 def add_prefix_affinity(config: dict[str, Any], affinity: PrefixAffinity) -> None:
@@ -305,17 +383,21 @@ def picker_cluster(picker: PickerAddress) -> dict[str, Any]:
 def picker_filter() -> dict[str, Any]:
     """The external processor that asks the picker; if it does not answer in time, the call
     goes on without (fail open)."""
-    # The request's headers, to pick; the response's trailers (gRPC's, before the transcoder
-    # on the way back, so REST calls have them too) keep the picker's call open until the
-    # request ends, which is how the picker counts each replica's requests in flight.
+    # The request's headers, to pick; the response's headers (with the replica that served it)
+    # and trailers (gRPC's, before the transcoder on the way back, so REST calls have them too,
+    # with the replica's load report) keep the picker's call open until the request ends,
+    # which is how the picker counts each replica's requests in flight.
     processing_mode = {
         "request_header_mode": "SEND",
-        "response_header_mode": "SKIP",
+        "response_header_mode": "SEND",
         "request_trailer_mode": "SKIP",
         "response_trailer_mode": "SEND",
         "request_body_mode": "NONE",
         "response_body_mode": "NONE",
     }
+    # The picker needs these alone: callers' credentials and the rest of their headers stay
+    # in Envoy, even when the picker is across the network.
+    forwarded = [PATH_HEADER, CANCEL_HEADER, REQUEST_ID_HEADER, LOAD_REPORT_TRAILER]
     return {
         "name": PICKER_FILTER,
         "typed_config": {
@@ -325,11 +407,49 @@ def picker_filter() -> dict[str, Any]:
             "failure_mode_allow": True,
             "message_timeout": PICKER_TIMEOUT,
             "processing_mode": processing_mode,
-            # The picker needs the prompt's path alone: callers' credentials and the rest of
-            # their headers stay in Envoy, even when the picker is across the network.
-            "forward_rules": {"allowed_headers": {"patterns": [{"exact": PATH_HEADER}]}},
+            "forward_rules": {
+                "allowed_headers": {"patterns": [{"exact": name} for name in forwarded]}
+            },
+            # The endpoint picker protocol's metadata: a gateway's subset hint and the served
+            # endpoint go to the picker; its pick comes back in envoy.lb.
+            "metadata_options": {
+                "forwarding_namespaces": {"untyped": [SUBSET_NAMESPACE, LB_NAMESPACE]},
+                "receiving_namespaces": {"untyped": [LB_NAMESPACE]},
+            },
         },
     }
+
+
+def served_endpoint_filters() -> list[dict[str, Any]]:
+    """Between the picker's filter and the router: the upstream host that served a request
+    into envoy.lb's x-gateway-destination-endpoint-served (facade/served_endpoint.lua), where
+    the picker's filter, next on the way back, forwards it."""
+    return [
+        {
+            "name": SERVED_METADATA_FILTER,
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
+                "default_source_code": {"inline_string": SERVED_LUA_FILE.read_text()},
+            },
+        },
+        {
+            "name": SERVED_HEADER_FILTER,
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation."
+                "v3.HeaderMutation",
+                "mutations": {
+                    "response_mutations": [
+                        {
+                            "append": {
+                                "header": {"key": SERVED_KEY, "value": "%UPSTREAM_HOST%"},
+                                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+                            }
+                        }
+                    ]
+                },
+            },
+        },
+    ]
 
 
 def add_replica_picker(config: dict[str, Any], picker: PickerAddress) -> None:
@@ -348,6 +468,6 @@ def add_replica_picker(config: dict[str, Any], picker: PickerAddress) -> None:
     config["static_resources"]["clusters"].append(cluster)
     filters = http_filters(config)
     after_key = [f["name"] for f in filters].index(ROUTING_FILTER) + 1
-    filters.insert(after_key, picker_filter())
+    filters[after_key:after_key] = [picker_filter(), *served_endpoint_filters()]
     for route in routes(config):
         route.setdefault("typed_per_filter_config", {})[PICKER_FILTER] = picker_route_config(route)

@@ -51,7 +51,8 @@ def list_models(
     address: tuple[str, int], api_key: str | None, timeout: float, tls: UpstreamTls | None
 ) -> ListModelsResponse:
     host, port = address
-    metadata = [("authorization", f"Bearer {api_key}")] if api_key else []
+    # One of the replicas' keys (API_KEY may hold several, comma-separated).
+    metadata = [("authorization", f"Bearer {api_key.split(',')[0].strip()}")] if api_key else []
     with grpc_channel(f"{host}:{port}", tls) as channel:
         stub = completions_pb2_grpc.CompletionServiceStub(channel)
         return stub.ListModels(ListModelsRequest(), timeout=timeout, metadata=metadata)

@@ -16,6 +16,7 @@ from facade.addresses import Address, is_ip_address
 from facade.balancing import (
     PickerAddress,
     PrefixAffinity,
+    add_cancel_routes,
     add_prefix_affinity,
     add_replica_picker,
     install_routing_filters,
@@ -227,8 +228,11 @@ def configure_routing(
         route_by_model(config, pools, listing)
     if affinity is not None:
         add_prefix_affinity(config, affinity)
+    picked = affinity is not None and affinity.picker and picker is not None
+    add_cancel_routes(config, picked)
     install_routing_filters(config, by_model=bool(pools), affinity=affinity)
-    if affinity is not None and affinity.picker and picker is not None:
+    if picked:
+        assert picker is not None
         add_replica_picker(config, picker)
 
 

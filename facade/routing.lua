@@ -17,8 +17,11 @@
 --   3 BASE, 4 BASE, ... units (facade/picker/policy.py's level_depth), up to its whole length
 --   or PATH_LEVELS keys: the picker reads from them how much of the prompt earlier prompts
 --   shared. One a client sent is dropped.
--- x-replica: only the replica picker (facade/picker) sets it, after this filter; one a client
---   sent is dropped, so that no caller can pin a replica.
+-- x-cancel-request-id: a CancelCompletion's request id (when it looks like one: at most 128
+--   characters of [A-Za-z0-9._:/+=-], what the replicas accept as an id), for the picker, which
+--   sends the cancel to the replica that holds the request. One a client sent is dropped.
+-- x-gateway-destination-endpoint: only the replica picker (facade/picker) sets it, after this
+--   filter; one a client sent is dropped, so that no caller can pin a replica.
 --
 -- These headers reach the replica as gRPC metadata too, so they stay short: a request's own
 -- values (a 100,000-character model name) must not push it past the replica's metadata limit.
@@ -178,6 +181,12 @@ function envoy_on_request(handle)
   else
     headers:remove("x-prefix-path")
   end
-  headers:remove("x-replica")
+  local cancelled = first(fields["request_id"])
+  if cancelled ~= nil and #cancelled <= 128 and string.find(cancelled, "^[%w._:/+=-]+$") then
+    headers:replace("x-cancel-request-id", cancelled)
+  else
+    headers:remove("x-cancel-request-id")
+  end
+  headers:remove("x-gateway-destination-endpoint")
   handle:clearRouteCache()
 end

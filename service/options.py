@@ -426,7 +426,8 @@ def add_server_options(serve: argparse.ArgumentParser) -> None:
         "API_KEY",
         None,
         "require `authorization: Bearer <key>` on completion calls (health and reflection "
-        "stay open)",
+        "stay open); several keys, comma-separated, are several callers (a request is "
+        "cancelled only by its own caller's key)",
         secret=True,
     )
     add_option(serve, "--metrics-host", "METRICS_HOST", defaults.metrics_host, "Prometheus address")

@@ -24,8 +24,10 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from bench.servers import VllmOpenAIServer
+from service.model import cpu_lora_fix
 from tests.conftest import ENGINE_START_TIMEOUT, MODEL, SMALL_ENGINE
 from tests.helpers import CAPITAL_PROMPT
+from tests.metrics import scrape
 from tests.processes import TestStack, free_port
 from tests.test_vllm_parity import assert_logprobs_close
 
@@ -328,3 +330,56 @@ def test_an_adapter_tokenizes_as_its_base_model(rest: httpx.Client) -> None:
         == completion(rest, "a1", prompt=CAPITAL_PROMPT, max_tokens=1)["usage"]["prompt_tokens"]
     )
     assert len(set(counts)) == 1
+
+
+# ---- what an endpoint picker's LoRA affinity scorer reads
+
+
+def latest_lora_info(metrics_url: str) -> dict[str, str]:
+    """The labels of vllm:lora_requests_info's newest series: vLLM starts a series for each
+    combination of running and waiting adapters and sets it to the time it last held, so a
+    picker reads the one with the highest value (as the Gateway API Inference Extension's
+    does)."""
+    found = [
+        (v, dict(labels))
+        for (n, labels), v in scrape(metrics_url).items()
+        if n == "vllm:lora_requests_info"
+    ]
+    assert found, f"{metrics_url} publishes no vllm:lora_requests_info"
+    return max(found, key=lambda series: series[0])[1]
+
+
+def adapters(listed: str) -> set[str]:
+    return {name.strip() for name in listed.split(",") if name.strip()}
+
+
+def test_lora_requests_info_names_the_running_adapters_and_the_slots(
+    rest: httpx.Client, adapter_stack: TestStack
+) -> None:
+    """vllm:lora_requests_info as vLLM publishes it: `running_lora_adapters` names the adapter
+    of a request being generated, both lists are empty once it has finished, and `max_lora` is
+    the engine's adapter slots: --max-loras, plus the one the base model's stand-in takes
+    where the CPU LoRA workaround is on (service/model/cpu_lora_fix.py)."""
+    args = adapter_stack.service_args
+    metrics_url = f"http://127.0.0.1:{args[args.index('--metrics-port') + 1]}/metrics"
+    max_loras = int(args[args.index("--max-loras") + 1])
+    payload = {"model": "a1", "prompt": CAPITAL_PROMPT, "max_tokens": 64, "ignore_eos": True}
+    during: dict[str, str] = {}
+    with rest.stream("POST", "/v2/completions", json={**payload, "stream": True}) as response:
+        assert response.status_code == 200, response.read()
+        events = 0
+        for line in response.iter_lines():
+            events += line.startswith("data: ")
+            if events == 3:
+                during = latest_lora_info(metrics_url)
+    assert set(during) == {"running_lora_adapters", "waiting_lora_adapters", "max_lora"}
+    assert "a1" in adapters(during["running_lora_adapters"]), during
+    assert during["max_lora"] == str(max_loras + int(cpu_lora_fix.needed()))
+
+    deadline = time.monotonic() + 5
+    while adapters(latest_lora_info(metrics_url)["running_lora_adapters"]):
+        assert time.monotonic() < deadline, latest_lora_info(metrics_url)
+        time.sleep(0.1)
+    after = latest_lora_info(metrics_url)
+    assert after["waiting_lora_adapters"] == ""
+    assert after["max_lora"] == during["max_lora"]

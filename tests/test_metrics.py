@@ -6,6 +6,7 @@ import uuid
 
 import httpx
 
+from tests.conftest import MODEL
 from tests.helpers import CAPITAL_PROMPT, body, complete, stream_chunks
 from tests.metrics import sample, scrape
 
@@ -70,3 +71,39 @@ def test_prefix_cache_hits_are_counted(rest: httpx.Client, metrics_url: str) -> 
     assert grew("llmcompletions_cached_prompt_tokens_total") == cached["cached_tokens"]
     assert grew("vllm:prefix_cache_hits_total") == cached["cached_tokens"]
     assert grew("vllm:prefix_cache_queries_total") > cached["cached_tokens"]
+
+
+# What a Gateway API Inference Extension endpoint picker reads (its "model server protocol"),
+# under vLLM's names: the queue, the running batch and the KV-cache use, per engine.
+PICKER_GAUGES = (
+    "vllm:num_requests_waiting",
+    "vllm:num_requests_running",
+    "vllm:kv_cache_usage_perc",
+)
+
+
+def test_endpoint_picker_metrics_are_published(rest: httpx.Client, metrics_url: str) -> None:
+    """Each gauge once (one engine), labelled with the served model and the engine as vLLM
+    labels it, holding a count or a fraction; and vllm:cache_config_info, whose `block_size`
+    and `num_gpu_blocks` labels a picker's prefix-cache scorer parses as integers."""
+    complete(rest, prompt=CAPITAL_PROMPT, max_tokens=2)
+    samples = scrape(metrics_url)
+
+    def only_series(name: str) -> tuple[dict[str, str], float]:
+        found = [(dict(labels), value) for (n, labels), value in samples.items() if n == name]
+        assert len(found) == 1, f"{metrics_url} publishes {len(found)} {name} series: {found}"
+        return found[0]
+
+    values: dict[str, float] = {}
+    for name in PICKER_GAUGES:
+        labels, values[name] = only_series(name)
+        assert labels == {"model_name": MODEL, "engine": "0"}, name
+    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running"):
+        assert values[name] >= 0 and values[name] == int(values[name]), name
+    assert 0 <= values["vllm:kv_cache_usage_perc"] <= 1
+
+    cache_config, value = only_series("vllm:cache_config_info")
+    assert value == 1
+    assert cache_config["engine"] == "0"
+    assert int(cache_config["block_size"]) > 0
+    assert int(cache_config["num_gpu_blocks"]) > 0

@@ -1,10 +1,12 @@
-"""The replica picker: an external processor that Envoy asks, for each keyed completion, which
-replica of the pool should serve it (facade/balancing.py says when and why).
+"""The replica picker: an endpoint picker (the Gateway API Inference Extension's protocol,
+facade/picker/protocol.py) that Envoy asks, for each keyed completion, which replica of the pool
+should serve it (facade/balancing.py says when and why).
 
 Envoy sends the prompt's path that facade/routing.lua computed and the pool's cluster; the picker
-answers with the replicas to try, in order, in REPLICA_HEADER, and the cluster's override-host
-balancing follows it. It fails open: if the picker is down, slow or has no answer, Envoy balances
-by consistent hashing with bounded load instead.
+answers with the replicas to try, in order, in `x-gateway-destination-endpoint` (header and
+`envoy.lb` metadata), and the cluster's override-host balancing follows it. It fails open: if the
+picker is down, slow or has no answer, Envoy balances by consistent hashing with bounded load
+instead.
 
 A picker runs beside one Envoy (started by facade.launch, following that Envoy's view of the
 replicas: fleet.py), or is shared by several (facade.launch --picker), checking the replicas'
@@ -19,7 +21,6 @@ import sys
 
 from service.model.lifetime import signal_on_parent_death
 
-REPLICA_HEADER = "x-replica"
 # gRPC metadata of Envoy's call to the picker (set per route): the cluster the request goes to.
 CLUSTER_METADATA = "x-picker-cluster"
 

@@ -1,14 +1,23 @@
 """The replicas: which are healthy, as Envoy's admin `/clusters` shows them (one
-`cluster::host::stat::value` line per fact), and how many keyed requests each has in flight, as
-the picker counts them (from its pick to the end of the request)."""
+`cluster::host::stat::value` line per fact); how many keyed requests each has in flight, as
+the picker counts them (from its pick to the end of the request); what each last reported of
+its load (the ORCA report on its replies), which counts the requests others sent it (another
+Envoy, a client on its gRPC port); and which replica holds each request id in flight, for
+cancels."""
 
 from __future__ import annotations
 
+import time
 import urllib.request
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
+from xds.data.orca.v3.orca_load_report_pb2 import OrcaLoadReport
+
 HEALTHY_FLAGS = "healthy"
+# A replica's report counts this long: one that got no reply through this picker since may
+# have drained what others sent it.
+REPORT_FRESH_SECONDS = 10.0
 
 
 @dataclass
@@ -49,6 +58,9 @@ class FleetView:
 
     clusters: Clusters = field(default_factory=dict)
     in_flight: Counter[tuple[str, str]] = field(default_factory=Counter)
+    reports: dict[tuple[str, str], Reported] = field(default_factory=dict)
+    holders: dict[str, str] = field(default_factory=dict)  # request id -> HOST:PORT
+    synced: bool = False  # a first reading was taken
 
     def update(self, clusters: Clusters) -> set[tuple[str, str]]:
         """Takes a new reading; returns the (cluster, host) pairs that stopped being healthy."""
@@ -59,18 +71,63 @@ class FleetView:
             if replica.healthy and not clusters.get(cluster, {}).get(host, Replica()).healthy
         }
         self.clusters = clusters
+        self.synced = True
         return lost
 
+    def healthy(self, cluster: str) -> list[str]:
+        return [host for host, replica in self.clusters.get(cluster, {}).items() if replica.healthy]
+
     def loads(self, cluster: str) -> dict[str, int]:
-        """The cluster's healthy replicas and their keyed requests in flight."""
+        """The cluster's healthy replicas and their requests: those this picker sent, plus
+        those others did as of the replica's last fresh report."""
         return {
-            host: self.in_flight[(cluster, host)]
-            for host, replica in self.clusters.get(cluster, {}).items()
-            if replica.healthy
+            host: self.in_flight[(cluster, host)] + self.others(cluster, host)
+            for host in self.healthy(cluster)
         }
+
+    def others(self, cluster: str, host: str) -> int:
+        reported = self.reports.get((cluster, host))
+        return reported.others if reported is not None and reported.fresh() else 0
+
+    def reported(self, cluster: str, host: str, report: OrcaLoadReport) -> None:
+        """A reply of one of this picker's requests ended with `report`: the replica's requests
+        beyond the ones this picker still has in flight there came from others."""
+        held = round(
+            report.named_metrics["num_requests_running"]
+            + report.named_metrics["num_requests_waiting"]
+        )
+        ours = self.in_flight[(cluster, host)] - 1  # the ending request is done
+        bound = round(report.named_metrics.get("max_num_queued_reqs", 0)) or None
+        self.reports[(cluster, host)] = Reported(max(0, held - ours), held, bound)
+
+    def saturated(self, cluster: str, hosts: list[str]) -> bool:
+        """Whether every one of `hosts` reported, lately, holding its backlog bound (so that it
+        refuses more)."""
+
+        def full(host: str) -> bool:
+            reported = self.reports.get((cluster, host))
+            return (
+                reported is not None
+                and reported.fresh()
+                and reported.bound is not None
+                and reported.held >= reported.bound
+            )
+
+        return bool(hosts) and all(full(host) for host in hosts)
 
     def started(self, cluster: str, host: str) -> None:
         self.in_flight[(cluster, host)] += 1
 
     def ended(self, cluster: str, host: str) -> None:
         self.in_flight[(cluster, host)] -= 1
+
+
+@dataclass
+class Reported:
+    others: int  # requests the replica held that this picker did not send it
+    held: int  # all the requests it held (running or waiting)
+    bound: int | None  # the backlog bound past which it refuses, if it said
+    at: float = field(default_factory=time.monotonic)
+
+    def fresh(self) -> bool:
+        return time.monotonic() - self.at < REPORT_FRESH_SECONDS

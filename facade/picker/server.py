@@ -20,9 +20,9 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
 import grpc
-from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 
@@ -36,10 +36,25 @@ from facade.options import (
     fleet_from,
     upstream_tls_from,
 )
-from facade.picker import CLUSTER_METADATA, REPLICA_HEADER
+from facade.picker import CLUSTER_METADATA
 from facade.picker.fleet import Clusters, FleetView, read_clusters
 from facade.picker.health import CHECK_EVERY_SECONDS, ReplicaChecks
 from facade.picker.policy import CacheAwarePolicy, PromptPath
+from facade.picker.protocol import (
+    CANCEL_HEADER,
+    CONTINUE_RESPONSE_HEADERS,
+    CONTINUE_TRAILERS,
+    REQUEST_ID_HEADER,
+    HeaderList,
+    destination_response,
+    header_value,
+    load_report,
+    no_ready_endpoint,
+    served_endpoint,
+    shed,
+    subset_hint,
+    unpicked_response,
+)
 from facade.render import keyed_clusters
 from facade.tls import describe_tls, listener_tls
 from service.settings import KeepaliveSettings, TlsSettings
@@ -52,35 +67,21 @@ REPORT_EVERY_SECONDS = 60
 logger = logging.getLogger("facade.picker")
 
 
-def header_value(headers: ext_proc.HttpHeaders, name: str) -> str | None:
-    for header in headers.headers.headers:
-        if header.key == name:
-            return header.raw_value.decode() if header.raw_value else header.value
-    return None
+@dataclass
+class Exchange:
+    """What the picker keeps of one request while it runs."""
 
-
-def replica_response(replicas: list[str]) -> ext_proc.ProcessingResponse:
-    """The request goes on, with the replicas to try in REPLICA_HEADER (if any)."""
-    response = ext_proc.ProcessingResponse(request_headers=ext_proc.HeadersResponse())
-    if replicas:
-        response.request_headers.response.header_mutation.set_headers.append(
-            base_pb2.HeaderValueOption(
-                header=base_pb2.HeaderValue(
-                    key=REPLICA_HEADER, raw_value=",".join(replicas).encode()
-                ),
-                append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
-            )
-        )
-    return response
-
-
-CONTINUE_TRAILERS = ext_proc.ProcessingResponse(response_trailers=ext_proc.TrailersResponse())
+    cluster: str
+    picked: str | None = None  # where the request went, counted as load there until it ends
+    request_id: str | None = None
 
 
 class ReplicaPicker(ext_proc_grpc.ExternalProcessorServicer):
-    """One call per keyed request: Envoy sends its headers, which the picker answers with the
-    replicas to try, and later the response's trailers, which keep the call open until the
-    request ends (or it is cancelled): the pick counts as load on its replica until then."""
+    """One call per keyed request (facade/picker/protocol.py has the protocol): Envoy sends its
+    headers, which the picker answers with the replicas to try; then the response's headers
+    (with the replica that served it) and trailers (with its load report), which keep the call
+    open until the request ends (or is cancelled): the pick counts as load on its replica until
+    then."""
 
     def __init__(self, policy: CacheAwarePolicy, fleet: FleetView) -> None:
         self.policy = policy
@@ -93,27 +94,92 @@ class ReplicaPicker(ext_proc_grpc.ExternalProcessorServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[ext_proc.ProcessingResponse]:
         cluster = dict(context.invocation_metadata() or ()).get(CLUSTER_METADATA)
-        picked: str | None = None
+        exchange = Exchange(str(cluster or ""))
         try:
             async for request in request_iterator:
-                if request.WhichOneof("request") == "request_headers":
-                    value = header_value(request.request_headers, PATH_HEADER)
-                    path = PromptPath.parse(value) if value else None
-                    replicas = self.pick(str(cluster), path) if cluster and path else []
-                    if replicas:
-                        picked = replicas[0]
-                        self.fleet.started(str(cluster), picked)
-                    yield replica_response(replicas)
+                part = request.WhichOneof("request")
+                if part == "request_headers":
+                    yield self.route(exchange, request)
+                elif part == "response_headers":
+                    self.served(exchange, request)
+                    yield CONTINUE_RESPONSE_HEADERS
                 else:  # the response's trailers: the only other part Envoy sends
+                    self.ended(exchange, request.response_trailers.trailers.headers)
                     yield CONTINUE_TRAILERS
         finally:
-            if picked is not None:
-                self.fleet.ended(str(cluster), picked)
+            self.release(exchange)
 
-    def pick(self, cluster: str, path: PromptPath) -> list[str]:
-        if self.fleet.clusters and cluster not in self.fleet.clusters:
-            self.warn_unknown(cluster)
-        return self.policy.choose(cluster, path, self.fleet.loads(cluster))
+    def route(
+        self, exchange: Exchange, request: ext_proc.ProcessingRequest
+    ) -> ext_proc.ProcessingResponse:
+        """The answer to a request's headers: where it goes, or why it cannot."""
+        headers = request.request_headers.headers.headers
+        if not exchange.cluster or not self.fleet.synced:
+            return unpicked_response()  # fail open: Envoy balances it itself
+        if self.fleet.clusters and exchange.cluster not in self.fleet.clusters:
+            self.warn_unknown(exchange.cluster)
+            return unpicked_response()
+        allowed = subset_hint(request)
+        eligible = [
+            host
+            for host in self.fleet.healthy(exchange.cluster)
+            if allowed is None or host in allowed
+        ]
+        if not eligible:
+            return no_ready_endpoint(
+                "No replica is ready" + ("" if allowed is None else " among the subset hinted")
+            )
+        cancelled = header_value(headers, CANCEL_HEADER)
+        if cancelled is not None:
+            return destination_response(self.cancel_order(cancelled, eligible))
+        value = header_value(headers, PATH_HEADER)
+        path = PromptPath.parse(value) if value else None
+        if path is None:
+            return unpicked_response()
+        if self.fleet.saturated(exchange.cluster, eligible):
+            return shed("Every replica is at capacity; retry shortly.")
+        loads = self.fleet.loads(exchange.cluster)
+        replicas = self.policy.choose(exchange.cluster, path, {h: loads[h] for h in eligible})
+        self.started(exchange, replicas[0], header_value(headers, REQUEST_ID_HEADER))
+        return destination_response(replicas)
+
+    def cancel_order(self, request_id: str, eligible: list[str]) -> list[str]:
+        """A cancel goes to the replica this picker sent the request to first, then to every
+        other (Envoy tries the next while one answers NOT_FOUND)."""
+        holder = self.fleet.holders.get(request_id)
+        return sorted(eligible, key=lambda host: host != holder)
+
+    def started(self, exchange: Exchange, host: str, request_id: str | None) -> None:
+        exchange.picked = host
+        self.fleet.started(exchange.cluster, host)
+        if request_id is not None:
+            exchange.request_id = request_id
+            self.fleet.holders[request_id] = host
+
+    def served(self, exchange: Exchange, request: ext_proc.ProcessingRequest) -> None:
+        """Envoy names the replica that served the request: after a retry, not the first pick,
+        and its load moves there."""
+        host = served_endpoint(request)
+        if exchange.picked is None or host is None or host == exchange.picked:
+            return
+        self.fleet.ended(exchange.cluster, exchange.picked)
+        self.fleet.started(exchange.cluster, host)
+        exchange.picked = host
+        if exchange.request_id is not None:
+            self.fleet.holders[exchange.request_id] = host
+
+    def ended(self, exchange: Exchange, trailers: HeaderList) -> None:
+        report = load_report(trailers)
+        if exchange.picked is not None and report is not None:
+            self.fleet.reported(exchange.cluster, exchange.picked, report)
+
+    def release(self, exchange: Exchange) -> None:
+        if exchange.picked is not None:
+            self.fleet.ended(exchange.cluster, exchange.picked)
+        if exchange.request_id is not None and self.fleet.holders.get(exchange.request_id) == (
+            exchange.picked
+        ):
+            del self.fleet.holders[exchange.request_id]
 
     def warn_unknown(self, cluster: str) -> None:
         """Once per cluster: Envoy asks about replicas this picker does not follow (a shared

@@ -34,6 +34,7 @@ from vllm.renderers.online_renderer import OnlineRenderer
 from vllm.tool_parsers import ToolParserManager
 
 from service.api.backlog import Backlog
+from service.api.cancellation import CancellableCall
 from service.api.chat_replies import ChatReplies, chat_error, error_from
 from service.api.chat_requests import validate_chat_request, vllm_request
 from service.api.errors import PriorityNotEnabledError
@@ -41,6 +42,9 @@ from service.model.adapters import ModelCatalog
 from service.model.engine import ServedModel
 from service.settings import ChatSettings, RequestLimits
 from service.transport.observability import RequestRecord
+
+# vLLM's chat serving names its engine requests "chatcmpl-" and the request's request_id.
+VLLM_CHAT_ID_PREFIX = "chatcmpl-"
 
 
 class ChatSettingsError(ValueError):
@@ -128,9 +132,10 @@ class ChatHandler:
         self.serving = chat_serving(model, settings)
 
     async def complete(
-        self, request: CreateChatCompletionRequest, record: RequestRecord
+        self, request: CreateChatCompletionRequest, record: RequestRecord, call: CancellableCall
     ) -> AsyncIterator[CreateChatCompletionResponse]:
-        """Yield the one whole reply, or the stream chunks; raise CompletionError."""
+        """Yield the one whole reply, or the stream chunks; raise CompletionError (and
+        RequestCancelledError once `call` is cancelled)."""
         validate_chat_request(
             request, self.model.vocab_size, self.model.structured_outputs_backend, self.limits
         )
@@ -140,6 +145,8 @@ class ChatHandler:
         self.backlog.check(request.n if request.HasField("n") else 1)
         # The engine request ids carry the request id, so engine logs can be matched to it.
         engine_request = vllm_request(request, f"{record.request_id}-{uuid.uuid4().hex[:8]}")
+        call.engine_prefix = f"{VLLM_CHAT_ID_PREFIX}{engine_request.request_id}"
+        call.check()
         replies = ChatReplies(
             model=request.model,
             system_fingerprint=self.model.system_fingerprint,
@@ -147,7 +154,12 @@ class ChatHandler:
         )
         try:
             async for message in self.run(engine_request, replies):
+                call.check()
                 yield message
+            call.check()
+        except Exception:
+            call.check()  # a cancelled call's requests end early: what ends it is the cancel
+            raise
         finally:
             record.prompt_tokens, record.completion_tokens, record.cached_tokens = (
                 replies.token_counts()

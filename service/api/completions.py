@@ -18,6 +18,7 @@ from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
 from service.api.backlog import Backlog
 from service.api.beam_search import BeamSearchSettings, beam_search
+from service.api.cancellation import CancellableCall
 from service.api.constraints import constraint_field
 from service.api.errors import (
     CompletionError,
@@ -73,9 +74,11 @@ class CompletionHandler:
         self,
         request: CreateCompletionRequest,
         record: RequestRecord,
+        call: CancellableCall,
     ) -> AsyncIterator[CreateCompletionResponse]:
-        """Yield the one whole response, or the stream chunks; raise CompletionError.
-        Token counts go into `record` as they become known."""
+        """Yield the one whole response, or the stream chunks; raise CompletionError (and
+        RequestCancelledError once `call` is cancelled). Token counts go into `record` as they
+        become known."""
         prompts = validate_request(
             request, self.model.vocab_size, self.model.structured_outputs_backend, self.limits
         )
@@ -99,9 +102,9 @@ class CompletionHandler:
         plan = choice_plan(request, prepared, self.model.tokenizer)
         record.prompt_tokens = plan.prompt_tokens()
         # The engine request ids carry the request id, so engine logs can be matched to it.
-        slots = self.engine_requests(
-            request, f"{record.request_id}-{header.id[-8:]}", len(prepared)
-        )
+        call.engine_prefix = f"{record.request_id}-{header.id[-8:]}"
+        slots = self.engine_requests(request, call.engine_prefix, len(prepared))
+        call.check()
         self.backlog.admit(sequences)
         try:
             results = self.generate(
@@ -110,6 +113,7 @@ class CompletionHandler:
             if request.stream:
                 assembler = StreamAssembler(header, plan)
                 async for slot, result in results:
+                    call.check()
                     for chunk in assembler.chunks(slot, result):
                         record.completion_tokens = assembler.completion_tokens
                         yield chunk
@@ -117,10 +121,15 @@ class CompletionHandler:
                 if request.stream_options.include_usage:
                     yield assembler.usage_chunk()
             else:
-                response = whole_response(header, plan, await final_outputs(results, slots))
+                outputs = await final_outputs(results, slots)
+                call.check()
+                response = whole_response(header, plan, outputs)
                 record.completion_tokens = response.usage.completion_tokens
                 record.cached_tokens = response.usage.prompt_tokens_details.cached_tokens
                 yield response
+        except Exception:
+            call.check()  # a cancelled call's requests end early: what ends it is the cancel
+            raise
         finally:
             await self.model.engine.abort([slot.request_id for slot in slots])  # no-op if done
 

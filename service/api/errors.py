@@ -228,3 +228,31 @@ class InternalError(CompletionError):
 
 def utc_timestamp() -> str:
     return datetime.now(timezone.utc).isoformat()
+
+
+class RequestCancelledError(CompletionError):
+    """The call was stopped by a CancelCompletion of its request id."""
+
+    grpc_code = grpc.StatusCode.CANCELLED
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"The request {quote(request_id)} was cancelled by its caller.")
+
+
+class CancelTargetNotFoundError(CompletionError):
+    grpc_code = grpc.StatusCode.NOT_FOUND
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(
+            f"No completion with the request id {quote(request_id)} is running or queued here."
+        )
+
+
+class CancelForbiddenError(CompletionError):
+    grpc_code = grpc.StatusCode.PERMISSION_DENIED
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(
+            f"The completion with the request id {quote(request_id)} was started by another "
+            "caller; only the API key that started it may cancel it."
+        )

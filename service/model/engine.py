@@ -22,6 +22,7 @@ from service.model.adapters import ModelCatalog, build_catalog
 from service.model.capacity import Capacity, resolve_capacity
 from service.model.default_model import model_directory
 from service.model.lifetime import mark_engine_parent
+from service.model.load import EngineLoad
 from service.model.placement import confine_engine_core, place_engine
 from service.settings import EngineSettings
 
@@ -49,6 +50,7 @@ class ServedModel:
     # Files the engine reads while it runs (the base model's stand-in adapter), removed after.
     scratch: tempfile.TemporaryDirectory[str]
     capacity: Capacity  # the batch the engine runs and the backlog it accepts
+    load: EngineLoad  # how loaded it is now, for load reports
     eos_token_ids: tuple[int, ...] = ()
     scheduling_policy: str = "fcfs"  # "priority": requests' `priority` orders the queue
 
@@ -161,10 +163,12 @@ def start_engine(settings: EngineSettings) -> ServedModel:
     # API server (vLLM's generic defaults, for the engine used as a library, do not).
     config = args.create_engine_config(UsageContext.OPENAI_API_SERVER)
     capacity = resolve_capacity(config)
+    load = EngineLoad(capacity.max_num_seqs, capacity.max_num_queued_reqs)
     engine = AsyncLLM.from_vllm_config(
         config,
         usage_context=UsageContext.OPENAI_API_SERVER,
         disable_log_stats=args.disable_log_stats,
+        stat_loggers=[load.stat_logger],
     )
     if current_platform.is_cpu():
         confine_engine_core()
@@ -187,6 +191,7 @@ def start_engine(settings: EngineSettings) -> ServedModel:
         eos_token_ids=eos_token_ids(engine),
         scheduling_policy=engine.vllm_config.scheduler_config.policy,
         capacity=capacity,
+        load=load,
     )
     logger.info(
         "engine ready: max_model_len=%d vocab_size=%d max_num_seqs=%d max_num_batched_tokens=%d"
@@ -201,3 +206,15 @@ def start_engine(settings: EngineSettings) -> ServedModel:
         "all-zero (vLLM CPU LoRA fix)" if catalog.base_adapter else "none",
     )
     return served
+
+
+async def abort_matching(engine: AsyncLLM, prefixes: list[str]) -> None:
+    """Aborts the engine requests whose ids start with any of `prefixes` (running, queued or
+    being added), and every request derived from them (parallel samples)."""
+    if not prefixes:
+        return
+    # The engine's own table of the ids its callers gave (vLLM has no lookup by prefix).
+    held = list(engine.output_processor.external_req_ids)
+    matching = [request_id for request_id in held if request_id.startswith(tuple(prefixes))]
+    if matching:
+        await engine.abort(matching)

@@ -3,7 +3,8 @@ sends. The first message goes out after the initial metadata (the request id and
 call, the framing); a REST event stream ends with the sentinel; every message is checked
 against the size limits; an error becomes a status with its details (and, for REST, the HTTP
 status and JSON body), or, after the first message, an in-band error message and then the
-status. Refusals by other interceptors end through `abort_with` too."""
+status. Refusals by other interceptors end through `abort_with` too. Every call that gets this
+far ends with the replica's load report (service.transport.load_reports)."""
 
 from __future__ import annotations
 
@@ -17,23 +18,27 @@ from grpc_status import rpc_status
 from service.api.errors import CompletionError, InternalError, ReplyTooLargeError
 from service.api.responses import stream_error_chunk
 from service.transport.interception import StreamBehaviour, StreamInterceptor
+from service.transport.load_reports import LoadReports
 from service.transport.request_context import REQUEST_ID_HEADER, current_record
 from service.transport.rest_bridge import END_OF_EVENTS, RestCall, error_metadata, rest_call
 
 logger = logging.getLogger(__name__)
 
-Metadata = tuple[tuple[str, str], ...]
+Metadata = tuple[tuple[str, str | bytes], ...]
 
 
 def identity() -> Metadata:
     return ((REQUEST_ID_HEADER, current_record().request_id),)
 
 
-async def abort_with(context: grpc.aio.ServicerContext, error: CompletionError) -> None:
+async def abort_with(
+    context: grpc.aio.ServicerContext, error: CompletionError, extra: Metadata = ()
+) -> None:
     """End a call that sent nothing yet with the error's status, its details (e.g.
-    google.rpc.BadRequest), the request id and, for REST, the HTTP status and JSON body."""
+    google.rpc.BadRequest), the request id, `extra` and, for REST, the HTTP status and JSON
+    body."""
     status = rpc_status.to_status(error.rpc_status())
-    metadata = tuple(status.trailing_metadata) + error.metadata() + identity()
+    metadata = tuple(status.trailing_metadata) + error.metadata() + identity() + extra
     if rest_call(context.invocation_metadata()) is not None:
         metadata += error_metadata(error)
     await context.abort(status.code, status.details, trailing_metadata=metadata)
@@ -48,9 +53,12 @@ def check_size(message: Message, max_message_bytes: int, whole_rest_reply: RestC
 
 
 class ErrorMappingInterceptor(StreamInterceptor):
-    def __init__(self, methods: frozenset[str], max_message_bytes: int) -> None:
+    def __init__(
+        self, methods: frozenset[str], max_message_bytes: int, load_reports: LoadReports
+    ) -> None:
         super().__init__(methods)
         self._max_message_bytes = max_message_bytes
+        self._load_reports = load_reports
 
     async def around(
         self,
@@ -59,7 +67,8 @@ class ErrorMappingInterceptor(StreamInterceptor):
         request: Message,
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[Message]:
-        rest = rest_call(context.invocation_metadata())
+        invocation = tuple(context.invocation_metadata() or ())
+        rest = rest_call(invocation)
         stream = bool(getattr(request, "stream", False))
         # Only CreateCompletion (with its `stream` field) needs telling how to frame its reply.
         framed = rest is not None and hasattr(request, "stream")
@@ -70,7 +79,8 @@ class ErrorMappingInterceptor(StreamInterceptor):
                 check_size(message, self._max_message_bytes, whole_rest_reply)
                 if not sent_any:
                     framing = rest.framing(stream) if rest is not None and framed else ()
-                    await context.send_initial_metadata(identity() + framing)
+                    load = self._load_reports.header(invocation)
+                    await context.send_initial_metadata(identity() + framing + load)
                     sent_any = True
                 yield message
         except grpc.aio.AbortError:
@@ -85,9 +95,12 @@ class ErrorMappingInterceptor(StreamInterceptor):
         else:
             if rest is not None and stream:
                 yield END_OF_EVENTS
+            context.set_trailing_metadata(self._load_reports.trailer())
             return
         if sent_any:
             # After the first message an error travels in-band, then ends the call.
             yield stream_error_chunk(failure)
-            await context.abort(failure.grpc_code, failure.message, failure.metadata())
-        await abort_with(context, failure)
+            metadata = failure.metadata() + self._load_reports.trailer()
+            await context.abort(failure.grpc_code, failure.message, metadata)
+        load = self._load_reports.header(invocation) + self._load_reports.trailer()
+        await abort_with(context, failure, load)

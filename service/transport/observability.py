@@ -112,6 +112,7 @@ class RequestRecord:
     model: str
     user: str
     stream: bool
+    principal: str = ""  # who called (service.transport.auth), "" without authentication
     started: float = field(default_factory=time.monotonic)
     first_message_at: float | None = None
     last_message_at: float | None = None

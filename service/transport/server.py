@@ -14,18 +14,21 @@ from llmcompletions.v2 import completions_pb2, completions_pb2_grpc
 from vllm.utils.gc_utils import freeze_gc_heap
 
 from service.api.backlog import Backlog
+from service.api.cancellation import Cancellations
 from service.api.chat import ChatHandler
 from service.api.completions import CompletionHandler
 from service.api.model_listing import ModelListing
 from service.api.tokenization import Tokenization
 from service.model.adapters import AdapterError, load_adapters
 from service.model.engine import ServedModel, start_engine
+from service.model.load import LoadSnapshot
 from service.settings import EngineSettings, ServerSettings
 from service.transport.auth import ApiKeyInterceptor
 from service.transport.call_backlog import call_backlog_options
 from service.transport.error_mapping import ErrorMappingInterceptor
 from service.transport.interception import StreamInterceptor
 from service.transport.keepalive import server_options
+from service.transport.load_reports import LoadReports
 from service.transport.observability import serve_metrics, watch_backlog, watch_engine_gauges
 from service.transport.request_context import RequestContextInterceptor
 from service.transport.servicer import CompletionServicer, Serving
@@ -96,16 +99,22 @@ class ServiceState:
 
     def __init__(self) -> None:
         self.serving: Serving | None = None
+        self.model: ServedModel | None = None
+
+    def load(self) -> LoadSnapshot | None:
+        """The engine's load now, for the replies' load reports."""
+        return None if self.model is None else self.model.load.snapshot(self.model.engine)
 
 
-def interceptor_chain(settings: ServerSettings) -> list[StreamInterceptor]:
+def interceptor_chain(settings: ServerSettings, state: ServiceState) -> list[StreamInterceptor]:
     """Outermost first: request context -> authentication -> error mapping. Nothing holds a
     call back here: the serving logic refuses what passes the backlog bounds
     (service.api.backlog)."""
     chain: list[StreamInterceptor] = [RequestContextInterceptor(ALL_METHODS, settings.log_prompts)]
     if settings.api_key:
         chain.append(ApiKeyInterceptor(ALL_METHODS, settings.api_key))
-    chain.append(ErrorMappingInterceptor(ALL_METHODS, settings.max_message_bytes))
+    reports = LoadReports(state.load)
+    chain.append(ErrorMappingInterceptor(ALL_METHODS, settings.max_message_bytes, reports))
     return chain
 
 
@@ -113,7 +122,7 @@ def build_server(
     settings: ServerSettings, state: ServiceState, calls: CallTracker
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     server = grpc.aio.server(
-        interceptors=[calls, *interceptor_chain(settings)],
+        interceptors=[calls, *interceptor_chain(settings, state)],
         options=[
             ("grpc.max_receive_message_length", settings.max_message_bytes),
             ("grpc.max_send_message_length", settings.max_message_bytes),
@@ -153,7 +162,8 @@ def serving(model: ServedModel, settings: ServerSettings) -> Serving:
     completions = CompletionHandler(model, settings.limits, backlog)
     chat = ChatHandler(model, settings.limits, backlog, settings.chat)
     tokenization = Tokenization(model, settings.limits, completions.tokenizing, backlog, chat)
-    return Serving(completions, chat, ModelListing(model), tokenization)
+    cancellations = Cancellations(model)
+    return Serving(completions, chat, ModelListing(model), tokenization, cancellations)
 
 
 async def set_health(health_servicer: health.aio.HealthServicer, status: int) -> None:
@@ -197,6 +207,7 @@ async def serve(server_settings: ServerSettings, engine_settings: EngineSettings
         exit_code = 1
     if model is not None and exit_code == 0:
         state.serving = serving(model, server_settings)
+        state.model = model
         watch_engine_gauges(model.engine)
         # As vLLM's own server does once it is up: the objects made at start (the model's
         # config, the tokenizer, the modules) leave the garbage collector's generations, so

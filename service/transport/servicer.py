@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import grpc
 from llmcompletions.v2 import completions_pb2_grpc
 from llmcompletions.v2.completions_pb2 import (
+    CancelCompletionRequest,
+    CancelCompletionResponse,
     CreateChatCompletionRequest,
     CreateChatCompletionResponse,
     CreateCompletionRequest,
@@ -24,6 +26,7 @@ from llmcompletions.v2.completions_pb2 import (
     TokenizeResponse,
 )
 
+from service.api.cancellation import Cancellations
 from service.api.chat import ChatHandler
 from service.api.completions import CompletionHandler
 from service.api.errors import EngineUnavailableError
@@ -41,6 +44,7 @@ class Serving:
     chat: ChatHandler
     models: ModelListing
     tokenization: Tokenization
+    cancellations: Cancellations
 
 
 class CompletionServicer(completions_pb2_grpc.CompletionServiceServicer):
@@ -50,14 +54,28 @@ class CompletionServicer(completions_pb2_grpc.CompletionServiceServicer):
     async def CreateCompletion(
         self, request: CreateCompletionRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[CreateCompletionResponse]:
-        async for message in self.serving().completions.complete(request, current_record()):
-            yield message
+        serving, record = self.serving(), current_record()
+        with serving.cancellations.track(record.request_id, record.principal) as call:
+            async for message in serving.completions.complete(request, record, call):
+                yield message
 
     async def CreateChatCompletion(
         self, request: CreateChatCompletionRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[CreateChatCompletionResponse]:
-        async for message in self.serving().chat.complete(request, current_record()):
-            yield message
+        serving, record = self.serving(), current_record()
+        with serving.cancellations.track(record.request_id, record.principal) as call:
+            async for message in serving.chat.complete(request, record, call):
+                yield message
+
+    async def CancelCompletion(
+        self, request: CancelCompletionRequest, context: grpc.aio.ServicerContext
+    ) -> CancelCompletionResponse:
+        cancelled = await self.serving().cancellations.cancel(
+            request.request_id, current_record().principal
+        )
+        return CancelCompletionResponse(
+            request_id=request.request_id, object="completion.cancelled", cancelled=cancelled
+        )
 
     async def ListModels(
         self, request: ListModelsRequest, context: grpc.aio.ServicerContext

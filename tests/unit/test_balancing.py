@@ -12,12 +12,13 @@ import pytest
 
 from facade import balancing, envoy_config, options, render
 from facade.balancing import PREFIX_HEADER, PrefixAffinity
-from facade.picker import CLUSTER_METADATA, REPLICA_HEADER
+from facade.picker import CLUSTER_METADATA
 from facade.pools import Pool
 
 AFFINITY = PrefixAffinity(chars=100, tokens=10, balance_factor=125)
 HASH_ONLY = PrefixAffinity(chars=100, tokens=10, balance_factor=125, picker=False)
 SOCKET = Path("/tmp/picker.sock")
+CANCEL = "/llmcompletions.v2.CompletionService/CancelCompletion"
 
 
 def configured(pools: list[Pool], affinity: PrefixAffinity | None) -> dict[str, Any]:
@@ -41,7 +42,11 @@ def test_one_pool_gets_a_twin_that_follows_the_picker_else_hashes_with_bounded_l
     assert policy(found["completion_service"])["name"].endswith("least_request")
     twin = policy(found["completion_service_prefix"])
     assert twin["name"] == "envoy.load_balancing_policies.override_host"
-    assert twin["typed_config"]["override_host_sources"] == [{"header": REPLICA_HEADER}]
+    # The endpoint picker protocol's names: its metadata, else its header.
+    assert twin["typed_config"]["override_host_sources"] == [
+        {"metadata": {"key": "envoy.lb", "path": [{"key": "x-gateway-destination-endpoint"}]}},
+        {"header": "x-gateway-destination-endpoint"},
+    ]
     (fallback,) = twin["typed_config"]["fallback_policy"]["policies"]
     hashed = fallback["typed_extension_config"]
     assert hashed["name"] == "envoy.load_balancing_policies.ring_hash"
@@ -72,17 +77,66 @@ def test_envoy_asks_the_picker_after_the_key_is_set_and_fails_open() -> None:
     assert names.index(balancing.PICKER_FILTER) < names.index("envoy.filters.http.router")
     picker = envoy_config.filter_config(config, balancing.PICKER_FILTER)
     assert picker["failure_mode_allow"] is True
-    # The request's headers (to pick) and the response's trailers (the request's end), only.
+    # The request's headers (to pick), the response's headers (who served it) and trailers
+    # (its end, with the replica's load report), only.
     sent = {part for part, mode in picker["processing_mode"].items() if mode == "SEND"}
-    assert sent == {"request_header_mode", "response_trailer_mode"}
+    assert sent == {"request_header_mode", "response_header_mode", "response_trailer_mode"}
     assert set(picker["processing_mode"].values()) <= {"SEND", "SKIP", "NONE"}
     socket = clusters(config)["replica_picker"]["load_assignment"]["endpoints"][0]
     assert socket["lb_endpoints"][0]["endpoint"]["address"] == {"pipe": {"path": str(SOCKET)}}
     # The picker is no replica: no twin, and TLS to replicas does not apply to it.
     assert "replica_picker" not in {c["name"] for c in envoy_config.replica_clusters(config)}
-    # It needs the prompt's path alone: callers' credentials never reach it.
-    allowed = picker["forward_rules"]["allowed_headers"]["patterns"]
-    assert allowed == [{"exact": balancing.PATH_HEADER}]
+    # It gets what it needs alone: callers' credentials never reach it.
+    allowed = {rule["exact"] for rule in picker["forward_rules"]["allowed_headers"]["patterns"]}
+    assert allowed == {
+        balancing.PATH_HEADER,
+        "x-cancel-request-id",
+        "x-request-id",
+        "endpoint-load-metrics-bin",
+    }
+    # The protocol's metadata: a subset hint and the served endpoint go, the pick comes back.
+    assert picker["metadata_options"] == {
+        "forwarding_namespaces": {"untyped": ["envoy.lb.subset_hint", "envoy.lb"]},
+        "receiving_namespaces": {"untyped": ["envoy.lb"]},
+    }
+
+
+def test_the_served_endpoint_is_put_in_the_metadata_before_the_picker_sees_the_response() -> None:
+    config = configured([], AFFINITY)
+    names = [f["name"] for f in envoy_config.http_filters(config)]
+    # Responses pass the filters in reverse: the header is set, then moved into the metadata,
+    # then the picker's filter forwards it.
+    assert names.index(balancing.PICKER_FILTER) + 1 == names.index(balancing.SERVED_METADATA_FILTER)
+    assert names.index(balancing.SERVED_METADATA_FILTER) + 1 == names.index(
+        balancing.SERVED_HEADER_FILTER
+    )
+    assert names[-1] == "envoy.filters.http.router"
+    mutation = envoy_config.filter_config(config, balancing.SERVED_HEADER_FILTER)
+    (added,) = mutation["mutations"]["response_mutations"]
+    assert added["append"]["header"] == {
+        "key": "x-gateway-destination-endpoint-served",
+        "value": "%UPSTREAM_HOST%",
+    }
+
+
+def test_cancels_ask_the_holder_first_then_every_other_replica() -> None:
+    three = [("127.0.0.1", 1), ("127.0.0.1", 2), ("127.0.0.1", 3)]
+    for affinity, cluster in (
+        (AFFINITY, "completion_service_prefix"),
+        (None, "completion_service"),
+    ):
+        config = render.render_config(8080, 9901, three)
+        render.configure_routing(config, [], "", affinity, SOCKET)
+        (cancel,) = [
+            r for r in envoy_config.routes(config) if r.get("match", {}).get("path") == CANCEL
+        ]
+        assert cancel["route"]["cluster"] == cluster
+        retries = cancel["route"]["retry_policy"]
+        assert retries["num_retries"] == 2  # three replicas
+        assert {"name": "grpc-status", "string_match": {"exact": "5"}} in retries[
+            "retriable_headers"
+        ]
+        assert "retriable-headers" in retries["retry_on"].split(",")
 
 
 @pytest.mark.parametrize(
@@ -159,7 +213,11 @@ def test_only_keyed_routes_ask_the_picker_and_name_their_cluster() -> None:
 
 
 def test_keyed_calls_take_the_twin_and_the_rest_least_request() -> None:
-    grpc_routes = [r for r in envoy_config.routes(configured([], AFFINITY)) if "route" in r]
+    grpc_routes = [
+        r
+        for r in envoy_config.routes(configured([], AFFINITY))
+        if "route" in r and r["match"].get("prefix") == "/"
+    ]
     keyed, plain = grpc_routes
     assert {"name": PREFIX_HEADER, "present_match": True} in keyed["match"]["headers"]
     assert keyed["route"]["cluster"] == "completion_service_prefix"
@@ -181,7 +239,9 @@ def test_each_pool_is_keyed_within_itself() -> None:
     pools = [Pool("a", (("127.0.0.1", 1),), ("a", "a-sql")), Pool("b", (("127.0.0.1", 2),), ("b",))]
     config = configured(pools, AFFINITY)
     assert {"pool_a_prefix", "pool_b_prefix"} <= set(clusters(config))
-    for route in (r for r in envoy_config.routes(config) if "route" in r):
+    for route in envoy_config.routes(config):
+        if "route" not in route or route["match"].get("prefix") != "/":
+            continue
         keyed = any(h["name"] == PREFIX_HEADER for h in route["match"].get("headers", []))
         cluster = route["route"]["cluster"]
         assert keyed == cluster.endswith("_prefix"), route
@@ -199,11 +259,17 @@ def test_envoy_reads_the_model_and_prompt_of_completions_and_chats_only() -> Non
     assert fields == {
         balancing.CREATE_COMPLETION: ["model", *balancing.PROMPT_FIELDS],
         balancing.CREATE_CHAT_COMPLETION: ["model", *balancing.MESSAGE_FIELDS],
+        balancing.CANCEL_COMPLETION: ["request_id"],
     }
     with_pools = balancing.extracted_fields(by_model=True, affinity=AFFINITY)
     for keyed in (balancing.CREATE_COMPLETION, balancing.CREATE_CHAT_COMPLETION):
         assert with_pools[keyed] == fields[keyed]
-    assert all(names == ["model"] for method, names in with_pools.items() if "Create" not in method)
+    assert with_pools[balancing.CANCEL_COMPLETION] == ["model", "request_id"]
+    assert all(
+        names == ["model"]
+        for method, names in with_pools.items()
+        if "Create" not in method and "Cancel" not in method
+    )
 
 
 @pytest.mark.parametrize(

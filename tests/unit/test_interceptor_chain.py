@@ -1,6 +1,7 @@
 """The interceptor chain on hand-made calls: every call is recorded once with its true
 status, errors become statuses (or an in-band message once output began), REST calls get
-their framing and end sentinel, and a refusal at capacity carries its retry hint."""
+their framing and end sentinel, a refusal at capacity carries its retry hint, and every call
+ends with the replica's load report."""
 
 from __future__ import annotations
 
@@ -15,9 +16,12 @@ from llmcompletions.v2.completions_pb2 import (
     CreateCompletionRequest,
     CreateCompletionResponse,
 )
+from xds.data.orca.v3.orca_load_report_pb2 import OrcaLoadReport
 
 from service.api.errors import ModelNotFoundError, OverloadedError
+from service.model.load import LoadSnapshot
 from service.transport.error_mapping import ErrorMappingInterceptor
+from service.transport.load_reports import LoadReports
 from service.transport.observability import REQUESTS
 from service.transport.request_context import RequestContextInterceptor
 from service.transport.rest_bridge import END_OF_EVENTS, FRAMING_HEADER, HTTP_STATUS_HEADER
@@ -25,6 +29,10 @@ from service.transport.rest_bridge import END_OF_EVENTS, FRAMING_HEADER, HTTP_ST
 METHOD = "CreateCompletion"
 METHODS = frozenset({f"/x/{METHOD}"})
 CHUNK = CreateCompletionResponse(choices=[Choice(text="hi")])
+# 3 running and 5 waiting of a batch of 4, a quarter of the KV cache in use.
+LOAD = LoadSnapshot(
+    running=3, waiting=5, kv_cache_usage=0.25, max_num_seqs=4, max_num_queued_reqs=32
+)
 
 
 class FakeContext:
@@ -48,6 +56,9 @@ class FakeContext:
         self.trailing = dict(trailing_metadata)
         raise grpc.aio.AbortError()
 
+    def set_trailing_metadata(self, metadata: tuple[tuple[str, Any], ...]) -> None:
+        self.trailing = dict(metadata)
+
     def code(self) -> grpc.StatusCode | None:
         return self.status
 
@@ -57,7 +68,7 @@ class FakeContext:
 
 def chain(servicer: Any) -> Any:
     """The behaviour the server would run: interceptors around the servicer, outermost first."""
-    behaviour = ErrorMappingInterceptor(METHODS, 1 << 20).around
+    behaviour = ErrorMappingInterceptor(METHODS, 1 << 20, LoadReports(lambda: LOAD)).around
     inner = servicer
 
     def wrap(around: Any, inner: Any) -> Any:
@@ -159,3 +170,51 @@ def test_a_refusal_at_capacity_is_resource_exhausted_with_a_retry_hint_and_count
     assert context.status == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert context.trailing["retry-after"] == "1"
     assert counted("RESOURCE_EXHAUSTED") == before + 1
+
+
+def reported(context: FakeContext) -> OrcaLoadReport:
+    return OrcaLoadReport.FromString(context.trailing["endpoint-load-metrics-bin"])
+
+
+def test_a_served_call_ends_with_the_load_report() -> None:
+    context = FakeContext()
+    asyncio.run(drain(chain(two_chunks), CreateCompletionRequest(stream=True), context))
+    report = reported(context)
+    assert dict(report.named_metrics) == {
+        "num_requests_running": 3,
+        "num_requests_waiting": 5,
+        "kv_cache_usage_perc": 0.25,
+        "max_num_queued_reqs": 32,
+    }
+    assert report.application_utilization == 2.0  # 8 held over a batch of 4
+    assert dict(report.utilization) == {"kv_cache": 0.25}
+
+
+@pytest.mark.parametrize("servicer", [fails_at_once, fails_after_one])
+def test_a_failed_call_ends_with_the_load_report_too(servicer: Any) -> None:
+    context = FakeContext()
+    asyncio.run(drain(chain(servicer), CreateCompletionRequest(stream=True), context))
+    assert context.status == grpc.StatusCode.NOT_FOUND
+    assert reported(context).named_metrics["num_requests_waiting"] == 5
+
+
+@pytest.mark.parametrize(
+    ("asked", "expected"),
+    [
+        ("text", "TEXT application_utilization=2.0, utilization.kv_cache=0.25, "),
+        ("JSON", 'JSON {"application_utilization": 2.0, "utilization": {"kv_cache": 0.25}, '),
+    ],
+)
+def test_a_caller_that_asks_gets_the_readable_report_in_a_header(asked: str, expected: str) -> None:
+    context = FakeContext((("endpoint-load-metrics-format", asked),))
+    asyncio.run(drain(chain(two_chunks), CreateCompletionRequest(stream=True), context))
+    assert context.initial is not None
+    header = dict(context.initial)["endpoint-load-metrics"]
+    assert header.startswith(expected)
+    assert "num_requests_waiting" in header
+
+
+def test_no_readable_report_unless_asked() -> None:
+    context = FakeContext()
+    asyncio.run(drain(chain(two_chunks), CreateCompletionRequest(stream=True), context))
+    assert context.initial is not None and "endpoint-load-metrics" not in dict(context.initial)

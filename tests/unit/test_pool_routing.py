@@ -36,6 +36,7 @@ def rendered() -> dict[str, Any]:
 
 def test_the_methods_routed_by_model_are_those_whose_request_names_one() -> None:
     assert sorted(name.rsplit(".", 1)[1] for name in balancing.methods_with_model()) == [
+        "CancelCompletion",
         "CreateChatCompletion",
         "CreateCompletion",
         "Detokenize",
@@ -59,7 +60,11 @@ def test_each_pool_is_a_cluster_like_the_single_one() -> None:
 
 
 def test_each_model_routes_to_its_pool_and_the_rest_to_any_pool_with_the_listing() -> None:
-    grpc_routes = [r for r in envoy_config.routes(rendered()) if "route" in r]
+    all_routes = envoy_config.routes(rendered())
+    grpc_routes = [r for r in all_routes if "route" in r and r["match"].get("prefix") == "/"]
+    cancels = [r for r in all_routes if r["match"].get("path", "").endswith("/CancelCompletion")]
+    # Each pool's route is preceded by one for its cancels, to the same cluster.
+    assert [r["route"]["cluster"] for r in cancels] == [r["route"]["cluster"] for r in grpc_routes]
     by_model = {
         header["string_match"]["exact"]: route["route"]["cluster"]
         for route in grpc_routes

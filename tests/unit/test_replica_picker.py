@@ -6,6 +6,7 @@ override-host balancing reads it."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import itertools
 import logging
 from collections import Counter
@@ -15,8 +16,10 @@ from unittest import mock
 import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
+from google.protobuf import struct_pb2
+from xds.data.orca.v3.orca_load_report_pb2 import OrcaLoadReport
 
-from facade.picker import CLUSTER_METADATA, REPLICA_HEADER
+from facade.picker import CLUSTER_METADATA
 from facade.picker.fleet import FleetView, Replica, parse_clusters
 from facade.picker.policy import (
     FOLLOW_SHARE,
@@ -25,7 +28,13 @@ from facade.picker.policy import (
     level_depth,
     load_bound,
 )
-from facade.picker.server import ReplicaPicker, header_value, replica_response
+from facade.picker.protocol import (
+    DESTINATION_HEADER,
+    destination_response,
+    header_value,
+    load_report,
+)
+from facade.picker.server import Exchange, ReplicaPicker
 from facade.picker.supervisor import MAX_DELAY_SECONDS, STEADY_SECONDS, next_delay
 
 A, B = "127.0.0.1:1", "127.0.0.1:2"
@@ -253,23 +262,19 @@ def headers(**values: str) -> ext_proc.HttpHeaders:
     )
 
 
-def test_the_answer_names_the_replicas_in_order_for_override_host() -> None:
-    (mutation,) = replica_response([A, B]).request_headers.response.header_mutation.set_headers
-    assert mutation.header.key == REPLICA_HEADER
+def test_the_answer_names_the_replicas_in_order_in_the_header_and_the_metadata() -> None:
+    answer = destination_response([A, B])
+    (mutation,) = answer.request_headers.response.header_mutation.set_headers
+    assert mutation.header.key == DESTINATION_HEADER == "x-gateway-destination-endpoint"
     assert mutation.header.raw_value == f"{A},{B}".encode()
     assert mutation.append_action == base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
-    empty = replica_response([])
-    assert (
-        empty.HasField("request_headers")
-        and not empty.request_headers.response.header_mutation.set_headers
-    )
+    lb = answer.dynamic_metadata.fields["envoy.lb"].struct_value
+    assert lb.fields[DESTINATION_HEADER].string_value == f"{A},{B}"
 
 
 def test_header_values_are_read_raw_or_plain() -> None:
-    assert header_value(headers(**{"x-prefix-key": "abc"}), "x-prefix-key") == "abc"
-    plain = ext_proc.HttpHeaders(
-        headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key="x-a", value="v")])
-    )
+    assert header_value(headers(**{"x-prefix-key": "abc"}).headers.headers, "x-prefix-key") == "abc"
+    plain = [base_pb2.HeaderValue(key="x-a", value="v")]
     assert header_value(plain, "x-a") == "v"
     assert header_value(plain, "x-b") is None
 
@@ -316,20 +321,132 @@ def test_a_pick_counts_as_load_until_its_request_ends() -> None:
     asyncio.run(scenario())
 
 
+def request(subset: list[str] | str | None = None, **values: str) -> ext_proc.ProcessingRequest:
+    """A request's headers as Envoy sends them, with a gateway's subset hint if given."""
+    message = ext_proc.ProcessingRequest(request_headers=headers(**values))
+    if subset is not None:
+        hint = struct_pb2.Struct()
+        hint.update({"x-gateway-destination-endpoint-subset": subset})
+        message.metadata_context.filter_metadata["envoy.lb.subset_hint"].CopyFrom(hint)
+    return message
+
+
+def picked(response: ext_proc.ProcessingResponse) -> list[str]:
+    mutation = response.request_headers.response.header_mutation.set_headers
+    return mutation[0].header.raw_value.decode().split(",") if mutation else []
+
+
+def two_replicas(*healthy: str) -> ReplicaPicker:
+    fleet = FleetView()
+    fleet.update({"c": {A: Replica(A in healthy), B: Replica(B in healthy)}})
+    return ReplicaPicker(CacheAwarePolicy(balance_factor=125), fleet)
+
+
+KEYED = {"x-prefix-path": "64 50 k"}
+
+
 def test_a_cluster_the_picker_does_not_know_is_left_to_envoy_with_one_warning(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    fleet = FleetView()
-    fleet.update({"c": {A: Replica(True), B: Replica(True)}})
-    picker = ReplicaPicker(CacheAwarePolicy(balance_factor=125), fleet)
-    path = PromptPath(64, 50, ("k",))
+    picker = two_replicas(A, B)
     with caplog.at_level(logging.WARNING, logger="facade.picker"):
-        assert picker.pick("other_prefix", path) == []
-        assert picker.pick("other_prefix", path) == []
+        assert picked(picker.route(Exchange("other_prefix"), request(**KEYED))) == []
+        assert picked(picker.route(Exchange("other_prefix"), request(**KEYED))) == []
     (warning,) = caplog.records
     assert "other_prefix" in warning.getMessage()
     assert "--upstream or --pool" in warning.getMessage()
-    assert picker.pick("c", path)[0] in (A, B)
+    assert picked(picker.route(Exchange("c"), request(**KEYED)))[0] in (A, B)
+
+
+def test_before_its_first_view_of_the_replicas_the_picker_leaves_the_choice_to_envoy() -> None:
+    picker = ReplicaPicker(CacheAwarePolicy(balance_factor=125), FleetView())
+    answer = picker.route(Exchange("c"), request(**KEYED))
+    assert answer.HasField("request_headers") and picked(answer) == []
+
+
+def test_no_ready_replica_is_an_immediate_503() -> None:
+    answer = two_replicas().route(Exchange("c"), request(**KEYED))
+    assert answer.immediate_response.status.code == 503
+    assert answer.immediate_response.grpc_status.status == 14  # UNAVAILABLE
+
+
+@pytest.mark.parametrize("subset", [[B], f" {B} ", f"{B},127.0.0.1:9"])
+def test_a_subset_hint_limits_the_pick(subset: list[str] | str) -> None:
+    picker = two_replicas(A, B)
+    for key in ("k1", "k2", "k3"):
+        answer = picker.route(Exchange("c"), request(subset, **{"x-prefix-path": f"64 50 {key}"}))
+        assert picked(answer) == [B]
+
+
+@pytest.mark.parametrize("subset", [[], ["127.0.0.1:9"], [A]])
+def test_a_subset_without_a_ready_replica_is_an_immediate_503(subset: list[str]) -> None:
+    answer = two_replicas(B).route(Exchange("c"), request(subset, **KEYED))
+    assert answer.immediate_response.status.code == 503
+    assert "subset" in answer.immediate_response.details
+
+
+def report(running: int, waiting: int, bound: int = 100) -> OrcaLoadReport:
+    found = OrcaLoadReport()
+    found.named_metrics["num_requests_running"] = running
+    found.named_metrics["num_requests_waiting"] = waiting
+    found.named_metrics["max_num_queued_reqs"] = bound
+    return found
+
+
+def test_reports_count_the_requests_others_sent_in_the_load() -> None:
+    fleet = FleetView()
+    fleet.update({"c": {A: Replica(True), B: Replica(True)}})
+    fleet.started("c", A)
+    fleet.started("c", A)
+    # One of ours ends, and A reports 6 held: 5 besides our other one came from elsewhere.
+    fleet.reported("c", A, report(running=4, waiting=2))
+    fleet.ended("c", A)
+    assert fleet.loads("c") == {A: 1 + 5, B: 0}
+
+
+def test_every_replica_at_its_backlog_bound_sheds_with_429() -> None:
+    picker = two_replicas(A, B)
+    picker.fleet.reported("c", A, report(running=4, waiting=4, bound=8))
+    assert picker.route(Exchange("c"), request(**KEYED)).HasField("request_headers")
+    picker.fleet.reported("c", B, report(running=8, waiting=2, bound=8))
+    answer = picker.route(Exchange("c"), request(**KEYED))
+    assert answer.immediate_response.status.code == 429
+    assert answer.immediate_response.grpc_status.status == 8  # RESOURCE_EXHAUSTED
+    (retry,) = answer.immediate_response.headers.set_headers
+    assert (retry.header.key, retry.header.raw_value) == ("retry-after", b"1")
+
+
+def test_a_cancel_goes_first_to_the_replica_that_holds_the_request_then_to_the_others() -> None:
+    picker = two_replicas(A, B)
+    exchange = Exchange("c")
+    first = picked(picker.route(exchange, request(**KEYED, **{"x-request-id": "r1"})))[0]
+    other = B if first == A else A
+    assert picked(picker.route(Exchange("c"), request(**{"x-cancel-request-id": "r1"}))) == [
+        first,
+        other,
+    ]
+    # Envoy reports that a retry served it on the other replica: the cancel follows.
+    served = ext_proc.ProcessingRequest(response_headers=ext_proc.HttpHeaders())
+    served.metadata_context.filter_metadata["envoy.lb"].update(
+        {"x-gateway-destination-endpoint-served": other}
+    )
+    picker.served(exchange, served)
+    assert picked(picker.route(Exchange("c"), request(**{"x-cancel-request-id": "r1"})))[0] == other
+    assert picker.fleet.loads("c") == {other: 1, first: 0}
+    picker.release(exchange)
+    assert "r1" not in picker.fleet.holders and picker.fleet.loads("c") == {A: 0, B: 0}
+
+
+def trailer(value: bytes) -> list[base_pb2.HeaderValue]:
+    return [base_pb2.HeaderValue(key="endpoint-load-metrics-bin", raw_value=value)]
+
+
+def test_a_load_report_is_read_from_the_trailer_base64_as_envoy_passes_it() -> None:
+    sent = report(running=3, waiting=1)
+    value = base64.b64encode(sent.SerializeToString()).rstrip(b"=")
+    assert load_report(trailer(value)) == sent
+    assert load_report(trailer(b"%%")) is None
+    assert load_report([]) is None
 
 
 def test_a_picker_that_ran_steadily_is_restarted_at_once() -> None:

@@ -23,6 +23,24 @@ class NumericRange(_message.Message):
     max_exclusive: bool
     def __init__(self, min: _Optional[float] = ..., min_exclusive: _Optional[bool] = ..., max: _Optional[float] = ..., max_exclusive: _Optional[bool] = ...) -> None: ...
 
+class CancelCompletionRequest(_message.Message):
+    __slots__ = ("request_id", "model")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+
+class CancelCompletionResponse(_message.Message):
+    __slots__ = ("request_id", "object", "cancelled")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OBJECT_FIELD_NUMBER: _ClassVar[int]
+    CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    object: str
+    cancelled: int
+    def __init__(self, request_id: _Optional[str] = ..., object: _Optional[str] = ..., cancelled: _Optional[int] = ...) -> None: ...
+
 class ListModelsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -45,6 +45,11 @@ class CompletionServiceStub:
                 request_serializer=llmcompletions_dot_v2_dot_completions__pb2.CreateChatCompletionRequest.SerializeToString,
                 response_deserializer=llmcompletions_dot_v2_dot_completions__pb2.CreateChatCompletionResponse.FromString,
                 _registered_method=True)
+        self.CancelCompletion = channel.unary_unary(
+                '/llmcompletions.v2.CompletionService/CancelCompletion',
+                request_serializer=llmcompletions_dot_v2_dot_completions__pb2.CancelCompletionRequest.SerializeToString,
+                response_deserializer=llmcompletions_dot_v2_dot_completions__pb2.CancelCompletionResponse.FromString,
+                _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/llmcompletions.v2.CompletionService/ListModels',
                 request_serializer=llmcompletions_dot_v2_dot_completions__pb2.ListModelsRequest.SerializeToString,
@@ -98,6 +103,17 @@ class CompletionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CancelCompletion(self, request, context):
+        """Stops every completion or chat completion this caller started with the
+        request id `request_id` (its `x-request-id`): whole, streamed or still
+        queued. Their calls end with CANCELLED (a stream that sent chunks gets an
+        error event first). NOT_FOUND when this server holds no such request;
+        PERMISSION_DENIED when another caller (API key) started it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListModels(self, request, context):
         """Lists the models this endpoint serves, in the OpenAI list shape.
         """
@@ -138,6 +154,11 @@ def add_CompletionServiceServicer_to_server(servicer, server):
                     servicer.CreateChatCompletion,
                     request_deserializer=llmcompletions_dot_v2_dot_completions__pb2.CreateChatCompletionRequest.FromString,
                     response_serializer=llmcompletions_dot_v2_dot_completions__pb2.CreateChatCompletionResponse.SerializeToString,
+            ),
+            'CancelCompletion': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelCompletion,
+                    request_deserializer=llmcompletions_dot_v2_dot_completions__pb2.CancelCompletionRequest.FromString,
+                    response_serializer=llmcompletions_dot_v2_dot_completions__pb2.CancelCompletionResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
@@ -215,6 +236,33 @@ class CompletionService:
             '/llmcompletions.v2.CompletionService/CreateChatCompletion',
             llmcompletions_dot_v2_dot_completions__pb2.CreateChatCompletionRequest.SerializeToString,
             llmcompletions_dot_v2_dot_completions__pb2.CreateChatCompletionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelCompletion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmcompletions.v2.CompletionService/CancelCompletion',
+            llmcompletions_dot_v2_dot_completions__pb2.CancelCompletionRequest.SerializeToString,
+            llmcompletions_dot_v2_dot_completions__pb2.CancelCompletionResponse.FromString,
             options,
             channel_credentials,
             insecure,
