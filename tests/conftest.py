@@ -19,6 +19,8 @@ from tests.processes import TestStack, free_port
 MODEL = DEFAULT_SERVED_MODEL_NAME
 MAX_MODEL_LEN = 2048
 API_KEY = "test-key-0123456789"
+# A second caller of the same server (it accepts both keys): cancels are scoped by key.
+OTHER_API_KEY = "other-key-9876543210"
 # Engine settings small enough that several engines fit on this machine at once.
 SMALL_ENGINE = ["--max-model-len", "512", "--kv-cache-gib", "0.25"]
 AUTH_HEADERS = {"Authorization": f"Bearer {API_KEY}"}
@@ -54,7 +56,7 @@ def stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             "--kv-cache-gib",
             "1",
             "--api-key",
-            API_KEY,
+            f"{API_KEY},{OTHER_API_KEY}",
             "--metrics-port",
             str(free_port()),
             "--keepalive-time",
