@@ -69,7 +69,7 @@ DEBUG_HEADERS = [
     # and the replicas the replica picker named for it, in order.
     {"header": {"key": "x-prefix-key", "value": "%REQ(x-prefix-key)%"}},
     {"header": {"key": "x-prefix-path", "value": "%REQ(x-prefix-path)%"}},
-    {"header": {"key": "x-replica-picked", "value": "%REQ(x-replica)%"}},
+    {"header": {"key": "x-replica-picked", "value": "%REQ(x-gateway-destination-endpoint)%"}},
 ]
 
 

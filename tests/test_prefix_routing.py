@@ -11,12 +11,15 @@ own health checks. Tests run in file order; the last one kills a replica."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import itertools
+import json
 import math
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -29,19 +32,24 @@ import grpc
 import httpx
 import psutil
 import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from google.protobuf import struct_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import strategies as st
 from llmcompletions.v2 import completions_pb2_grpc
-from llmcompletions.v2.completions_pb2 import CreateCompletionRequest
+from llmcompletions.v2.completions_pb2 import CancelCompletionRequest, CreateCompletionRequest
+from xds.data.orca.v3.orca_load_report_pb2 import OrcaLoadReport
 
 from bench.routing import common_prefix_length
 from facade.balancing import PATH_HEADER, PrefixAffinity
-from facade.picker import REPLICA_HEADER
 from facade.picker.policy import PromptPath
+from facade.picker.protocol import DESTINATION_HEADER
 from tests.certificates import CertificateAuthority
 from tests.conftest import ENGINE_START_TIMEOUT, MODEL, SMALL_ENGINE
 from tests.helpers import body, grpc_request
-from tests.metrics import engine_block_tokens
+from tests.metrics import engine_block_tokens, sample
 from tests.processes import (
     TestStack,
     envoy_counter,
@@ -52,6 +60,9 @@ from tests.processes import (
 )
 from tests.test_adapters import build_adapter
 from tests.test_fuzz import fuzz_grpc, fuzz_rest, models, prompts
+from tests.test_grpc_tooling import grpcurl
+
+CREATE_COMPLETION_METHOD = "llmcompletions.v2.CompletionService/CreateCompletion"
 
 ADAPTER = "sql"
 KEY_HEADER = "x-prefix-key"
@@ -455,14 +466,15 @@ def test_without_its_picker_envoy_still_keeps_a_prefix_on_one_replica(fleet: Fle
         wait_gone(supervisor)
         wait_gone(picker)
         prefix = shared_prefix("no picker")
-        # Each call also names a replica itself in x-replica, alternately both: a caller
+        # Each call also names a replica itself in x-gateway-destination-endpoint, alternately
+        # both: a caller
         # cannot pin a replica (Envoy drops the header), so the key alone decides.
         hosts = {
             rest_call(
                 other,
                 prompt=f"{prefix} Question {i}?",
                 max_tokens=1,
-                headers={REPLICA_HEADER: targets[i % 2]},
+                headers={DESTINATION_HEADER: targets[i % 2]},
             )[0]
             for i in range(4)
         }
@@ -472,7 +484,7 @@ def test_without_its_picker_envoy_still_keeps_a_prefix_on_one_replica(fleet: Fle
                     other,
                     prompt=f"{prefix} Question {5 + i}?",
                     max_tokens=1,
-                    metadata=((REPLICA_HEADER, targets[i]),),
+                    metadata=((DESTINATION_HEADER, targets[i]),),
                 )
             )
         assert len(hosts) == 1, hosts
@@ -600,6 +612,205 @@ def test_a_picker_that_dies_is_restarted_and_picks_again(fleet: Fleet) -> None:
             assert time.monotonic() < deadline, f"no pick after the restart: {picked!r}"
             time.sleep(0.5)
         assert reply.headers[HOST_HEADER] == picked.split(",")[0]
+
+
+def test_envoy_and_the_picker_use_only_the_endpoint_picker_protocols_names(fleet: Fleet) -> None:
+    dump = httpx.get(f"{fleet.admin_url}/config_dump", timeout=10).text
+    for standard in (
+        "x-gateway-destination-endpoint",
+        "envoy.lb",
+        "envoy.lb.subset_hint",
+        "x-gateway-destination-endpoint-served",
+    ):
+        assert standard in dump, standard
+    assert '"x-replica"' not in dump
+    # A pick travels in those names: the debug header echoes the request's destination header.
+    host, picked = picked_replicas(fleet, shared_prefix("standard names"))
+    assert picked and picked[0] == host
+
+
+def ext_proc_answer(
+    target: str, subset: list[str] | None, path: str = "64 50 k"
+) -> ext_proc.ProcessingResponse:
+    """What a picker answers a gateway's request headers (with a subset hint, if given)."""
+    message = ext_proc.ProcessingRequest(
+        request_headers=ext_proc.HttpHeaders(
+            headers=base_pb2.HeaderMap(
+                headers=[base_pb2.HeaderValue(key=PATH_HEADER, raw_value=path.encode())]
+            )
+        )
+    )
+    if subset is not None:
+        message.metadata_context.filter_metadata["envoy.lb.subset_hint"].update(
+            {"x-gateway-destination-endpoint-subset": subset}
+        )
+    with grpc.insecure_channel(target) as channel:
+        stub = ext_proc_grpc.ExternalProcessorStub(channel)
+        metadata = (("x-picker-cluster", "completion_service_prefix"),)
+        (answer,) = list(stub.Process(iter([message]), timeout=10, metadata=metadata))
+        return answer
+
+
+def health(target: str, service: str) -> int:
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+
+def test_a_picker_serves_its_health_and_answers_a_subset_hint(fleet: Fleet) -> None:
+    port = free_port()
+    targets = sorted(replica.grpc_target for replica in fleet.replicas)
+    picker = f"127.0.0.1:{port}"
+    with shared_picker(port, targets):
+        assert health(picker, "liveness") == health_pb2.HealthCheckResponse.SERVING
+        deadline = time.monotonic() + 30
+        while health(picker, "readiness") != health_pb2.HealthCheckResponse.SERVING:
+            assert time.monotonic() < deadline, "the picker never became ready"
+            time.sleep(0.2)
+        processor = "envoy.service.ext_proc.v3.ExternalProcessor"
+        assert health(picker, processor) == health_pb2.HealthCheckResponse.SERVING
+        while len(ext_proc_answer(picker, None).dynamic_metadata.fields) == 0:
+            assert time.monotonic() < deadline, "the picker never saw the replicas healthy"
+            time.sleep(0.5)
+        for i, allowed in enumerate(targets):
+            for key in range(3):
+                answer = ext_proc_answer(picker, [allowed], f"64 50 subset-{i}-{key}")
+                lb = answer.dynamic_metadata.fields["envoy.lb"].struct_value
+                assert lb.fields[DESTINATION_HEADER].string_value == allowed
+        refused = ext_proc_answer(picker, ["127.0.0.1:1"])
+        assert refused.immediate_response.status.code == 503
+
+
+def grpcurl_trailers(target: str, request: dict[str, Any]) -> dict[str, str]:
+    """The trailers a completion's reply ends with, as grpcurl (a plain gRPC client) shows
+    them. gRPC's own Python client keeps `endpoint-load-metrics-bin` to itself: its core
+    parses ORCA reports for load balancing."""
+    done = grpcurl(target, CREATE_COMPLETION_METHOD, options=("-v", "-d", json.dumps(request)))
+    shown = done.stdout + done.stderr
+    assert "Response trailers received:" in shown, shown
+    trailers = shown.split("Response trailers received:", 1)[1]
+    return dict(
+        line.split(": ", 1) for line in trailers.splitlines() if ": " in line and line[0] != " "
+    )
+
+
+def load_report_of(trailers: dict[str, str]) -> OrcaLoadReport:
+    return OrcaLoadReport.FromString(base64.b64decode(trailers["endpoint-load-metrics-bin"]))
+
+
+def test_every_reply_carries_the_replicas_load_report(fleet: Fleet) -> None:
+    replica = fleet.replicas[0]
+    for target in (replica.grpc_target, fleet.grpc_target):  # the replica, and through Envoy
+        report = load_report_of(grpcurl_trailers(target, body(prompt="Hi", max_tokens=2)))
+        assert set(report.named_metrics) >= {
+            "num_requests_waiting",
+            "num_requests_running",
+            "kv_cache_usage_perc",
+            "max_num_queued_reqs",
+        }
+        assert report.named_metrics["max_num_queued_reqs"] >= 128  # 8 batches of the engine
+        assert 0 <= report.utilization["kv_cache"] <= 1
+        failed = grpcurl_trailers(target, body(model="nobody", prompt="Hi"))
+        assert "endpoint-load-metrics-bin" in failed  # an error ends with one too
+    asked = httpx.post(
+        f"{fleet.base_url}/v2/completions",
+        json=body(prompt="Hi", max_tokens=2),
+        headers={"endpoint-load-metrics-format": "text"},
+        timeout=60,
+    )
+    assert asked.status_code == 200
+    assert asked.headers["endpoint-load-metrics"].startswith("TEXT application_utilization=")
+    assert "named_metrics.num_requests_waiting=" in asked.headers["endpoint-load-metrics"]
+
+
+def direct_streams(replica: TestStack, count: int, stop: threading.Event) -> list[threading.Thread]:
+    """`count` long completions sent straight to a replica's gRPC port (no Envoy, no picker),
+    running until `stop` is set."""
+
+    def run() -> None:
+        with grpc.insecure_channel(replica.grpc_target) as channel:
+            stub = completions_pb2_grpc.CompletionServiceStub(channel)
+            call = stub.CreateCompletion(
+                grpc_request(prompt="Count:", max_tokens=480, ignore_eos=True, stream=True),
+                timeout=300,
+            )
+            with contextlib.suppress(grpc.RpcError):  # cancelled below
+                for _ in call:
+                    if stop.is_set():
+                        call.cancel()
+
+    threads = [threading.Thread(target=run) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def test_a_replica_busy_with_other_callers_gets_fewer_new_requests(fleet: Fleet) -> None:
+    """Its load reports tell the picker of the requests it did not send there."""
+    busy, idle = fleet.replicas
+    stop = threading.Event()
+    streams = direct_streams(busy, 6, stop)
+    try:
+        deadline = time.monotonic() + 60
+        while sample(metrics_url(busy), "llmcompletions_engine_unfinished_requests") < 6:
+            assert time.monotonic() < deadline, "the direct streams never reached the engine"
+            time.sleep(0.2)
+        # New prefixes, one after another: without reports they are dealt out evenly (each
+        # replica is home to as many); with them, the busy one is past the load bound.
+        hosts = [
+            rest_call(fleet, prompt=f"{shared_prefix(f'busy {i}')} Q?", max_tokens=1)[0]
+            for i in range(10)
+        ]
+    finally:
+        stop.set()
+        for stream in streams:
+            stream.join(timeout=60)
+    assert hosts.count(busy.grpc_target) <= 2, hosts
+    assert hosts.count(idle.grpc_target) >= 8, hosts
+
+
+def test_a_stream_is_cancelled_by_its_id_through_another_envoy(fleet: Fleet) -> None:
+    with facade(fleet.replicas) as second:
+        request_id = f"fleet-cancel-{uuid.uuid4().hex}"
+        events: list[str] = []
+        with httpx.stream(
+            "POST",
+            f"{fleet.base_url}/v2/completions",
+            json=body(
+                prompt=shared_prefix("cancel"), max_tokens=380, ignore_eos=True, stream=True
+            ),
+            headers={"x-request-id": request_id},
+            timeout=120,
+        ) as reply:
+            assert reply.status_code == 200
+            host = reply.headers[HOST_HEADER]
+            for line in reply.iter_lines():
+                if not line:
+                    continue
+                events.append(line.removeprefix("data: "))
+                if len(events) == 3:
+                    # The second Envoy's picker never saw the request: the cancel asks the
+                    # replicas in turn until the one holding it answers.
+                    answer = httpx.post(
+                        f"{second.base_url}/v2/completions/{request_id}/cancel", timeout=30
+                    )
+                    assert answer.status_code == 200, answer.text
+                    assert answer.json()["cancelled"] == 1
+        assert json.loads(events[-1])["error"]["status_code"] == 499
+        assert len(events) < 100
+        holder = metrics_url(fleet.replica_at(host))
+        deadline = time.monotonic() + 5
+        while sample(holder, "llmcompletions_engine_unfinished_requests") != 0:
+            assert time.monotonic() < deadline, "the engine still runs the cancelled request"
+            time.sleep(0.1)
+        # Through the first Envoy, whose picker knows where each request is, and over gRPC.
+        with grpc.insecure_channel(fleet.grpc_target) as channel:
+            stub = completions_pb2_grpc.CompletionServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as raised:
+                stub.CancelCompletion(CancelCompletionRequest(request_id=request_id), timeout=30)
+            assert raised.value.code() == grpc.StatusCode.NOT_FOUND  # it ended
+        unknown = httpx.post(f"{second.base_url}/v2/completions/nobody-knows/cancel", timeout=30)
+        assert unknown.status_code == 404  # every replica was asked
 
 
 def prefix_served_by(fleet: Fleet, host: str, label: str, tries: int = 12) -> str:

@@ -134,6 +134,8 @@ def load_report(headers: HeaderList) -> OrcaLoadReport | None:
     if not value:
         return None
     try:
-        return OrcaLoadReport.FromString(base64.b64decode(value + "=" * (-len(value) % 4), validate=True))
+        return OrcaLoadReport.FromString(
+            base64.b64decode(value + "=" * (-len(value) % 4), validate=True)
+        )
     except (binascii.Error, DecodeError):
         return None

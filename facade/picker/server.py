@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from facade.addresses import parse_address
 from facade.balancing import PATH_HEADER
@@ -62,6 +63,11 @@ from service.transport.call_backlog import call_backlog_options
 from service.transport.keepalive import server_options
 from service.transport.tls import server_credentials
 
+# The endpoint picker protocol's health services (grpc.health.v1): alive while it answers,
+# ready (and its processor too) once it has a view of the replicas; "" as ready.
+READY = ("readiness", ext_proc.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name, "")
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 READ_EVERY_SECONDS = 0.25  # health changes at Envoy's 2 s health checks
 REPORT_EVERY_SECONDS = 60
 logger = logging.getLogger("facade.picker")
@@ -194,6 +200,13 @@ class ReplicaPicker(ext_proc_grpc.ExternalProcessorServicer):
             )
 
 
+async def set_health(
+    health_servicer: health.aio.HealthServicer, services: tuple[str, ...], status: int
+) -> None:
+    for service in services:
+        await health_servicer.set(service, status)
+
+
 def report(policy: CacheAwarePolicy) -> None:
     """One line on what the picker decided since the last one, if it decided anything."""
     if policy.decisions:
@@ -220,9 +233,14 @@ def envoy_admin(admin_url: str) -> ReadHealth:
 
 
 async def follow(
-    read: ReadHealth, every: float, fleet: FleetView, policy: CacheAwarePolicy
+    read: ReadHealth,
+    every: float,
+    fleet: FleetView,
+    policy: CacheAwarePolicy,
+    health_servicer: health.aio.HealthServicer,
 ) -> None:
-    """Keeps the fleet's view current; a replica that stops being healthy is forgotten."""
+    """Keeps the fleet's view current; a replica that stops being healthy is forgotten. The
+    picker is ready from its first view on."""
     next_report = time.monotonic() + REPORT_EVERY_SECONDS
     while True:
         if time.monotonic() >= next_report:
@@ -234,9 +252,12 @@ async def follow(
             logger.exception("reading the replicas' health failed; trying again")
             clusters = None
         if clusters is not None:
+            first_view = not fleet.synced
             for cluster, host in fleet.update(clusters):
                 policy.forget_replica(cluster, host)
                 logger.info("replica %s of %s is not healthy; its keys go elsewhere", host, cluster)
+            if first_view:
+                await set_health(health_servicer, READY, SERVING)
         await asyncio.sleep(every)
 
 
@@ -263,6 +284,8 @@ async def serve(
         ]
     )
     ext_proc_grpc.add_ExternalProcessorServicer_to_server(ReplicaPicker(policy, fleet), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
         if tls is None:
             server.add_insecure_port(bind)
@@ -271,7 +294,9 @@ async def serve(
     except RuntimeError as error:
         raise SystemExit(f"envoy picker: cannot listen on {bind} (in use?): {error}") from error
     await server.start()
-    follower = asyncio.create_task(follow(read, every, fleet, policy))
+    await set_health(health_servicer, ("liveness",), SERVING)
+    await set_health(health_servicer, READY, NOT_SERVING)
+    follower = asyncio.create_task(follow(read, every, fleet, policy, health_servicer))
     try:
         await server.wait_for_termination()
     finally:
