@@ -8,6 +8,11 @@ every run draws prefixes no replica has seen, so no run inherits another's cache
   outputs; one replica's KV cache cannot hold every prefix, two can.
 - S2 control: 2 shared prefixes; every replica's cache holds them all.
 - S3 hot prefix: one prefix in 80% of requests, four others in the rest.
+- S4 slowed replica: S1's prompts while another client sends long prompts straight to one
+  replica's gRPC port (no Envoy sees them): only the replicas' load reports tell the picker.
+
+Each workload also runs through a fourth Envoy, prefix with its picker told to ignore the
+replicas' load reports (PICKER_LOAD_REPORTS=off): what the reports change.
 
 Reported per run: TTFT p50/p90 (streamed, to the first event), output throughput, each
 replica's prefix-cache hit rate (the engine's own counters) and share of requests, and the best
@@ -21,12 +26,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import random
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AsyncExitStack, contextmanager
@@ -34,7 +42,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
+from llmcompletions.v2 import completions_pb2_grpc
+from llmcompletions.v2.completions_pb2 import CreateChatCompletionRequest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from service.model.default_model import DEFAULT_SERVED_MODEL_NAME, prepare_default_model
@@ -73,13 +84,20 @@ class Workload:
     # Instructions every prompt starts with, ahead of its prefix (0: none).
     header_tokens: int = 0
     token_ids: bool = False  # send each prompt as its token ids instead of its text
+    # Another client keeps the first replica busy with long prompts meanwhile, bypassing Envoy.
+    slowed: bool = False
 
 
 WORKLOADS = (
     Workload("S1 cache pressure", prefixes=8, requests=64, concurrency=4),
     Workload("S2 control", prefixes=2, requests=32, concurrency=4),
     Workload("S3 hot prefix", prefixes=5, requests=64, concurrency=6, hot_share=0.8),
+    Workload("S4 slowed replica", prefixes=8, requests=64, concurrency=4, slowed=True),
 )
+NO_REPORTS = "prefix, no load reports"
+# The other client's long prompts (S4): this many at once, each of about this many tokens.
+SLOWING_CALLS = 2
+SLOWING_TOKENS = 1500
 
 
 @dataclass
@@ -240,9 +258,37 @@ def run_once(
     sent = token_ids if workload.token_ids else chosen
     before = [replica_counters(url) for url in fleet.metrics_urls]
     urls = [fleet.base_urls[front] for front in fronts]
-    measured = asyncio.run(load(urls, sent, workload.concurrency))
+    with slowing(fleet.replicas[0], tokenizer) if workload.slowed else contextlib.nullcontext():
+        measured = asyncio.run(load(urls, sent, workload.concurrency))
     after = [replica_counters(url) for url in fleet.metrics_urls]
     return {**measured, **per_replica(before, after), "best_hit_rate": best}
+
+
+@contextmanager
+def slowing(replica: TestStack, tokenizer: PreTrainedTokenizerBase) -> Iterator[None]:
+    """Another client sends long prompts of its own straight to `replica`'s gRPC port (chat
+    calls: the replica's completion counts stay the workload's) until the block ends."""
+    stop = threading.Event()
+
+    def run(index: int) -> None:
+        rng = random.Random(f"slowing {index}")
+        with grpc.insecure_channel(replica.grpc_target) as channel:
+            stub = completions_pb2_grpc.CompletionServiceStub(channel)
+            while not stop.is_set():
+                text = prefix_text(rng, tokenizer, SLOWING_TOKENS, "Report")
+                request = CreateChatCompletionRequest(model=DEFAULT_SERVED_MODEL_NAME, max_tokens=1)
+                request.messages.add(role="user").content.string_value = text
+                list(stub.CreateChatCompletion(request, timeout=600))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(SLOWING_CALLS)]
+    for thread in threads:
+        thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=600)
 
 
 def run_rounds(
@@ -293,10 +339,15 @@ def completion_cluster(launch_args: list[str]) -> str:
 
 @contextmanager
 def fleet_running(
-    model_dir: Path, log_dir: Path, envoy_args: dict[str, list[str]], kv_cache_gib: float
+    model_dir: Path,
+    log_dir: Path,
+    envoy_args: dict[str, list[str]],
+    kv_cache_gib: float,
+    envoy_env: dict[str, dict[str, str]] | None = None,
 ) -> Iterator[Fleet]:
     """Two replicas, one a core, and an Envoy for each entry of `envoy_args` (a name, and
-    facade.launch's balancing arguments) in front of both."""
+    facade.launch's balancing arguments) in front of both, with its `envoy_env` entry added
+    to its environment."""
     metrics_ports = [free_port(), free_port()]
     replicas = [
         TestStack(
@@ -322,7 +373,8 @@ def fleet_running(
             command += ["--http-port", str(http_port), "--admin-port", str(admin_ports[name])]
             for replica in replicas:
                 command += ["--upstream", replica.grpc_target]
-            envoys[name] = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+            env = {**os.environ, **(envoy_env or {}).get(name, {})}
+            envoys[name] = subprocess.Popen(command, stdout=subprocess.DEVNULL, env=env)
             base_urls[name] = f"http://127.0.0.1:{http_port}"
         for replica in replicas:
             replica.wait_ready_service(START_TIMEOUT)
@@ -372,7 +424,7 @@ def summary(results: dict[str, dict[str, list[dict]]]) -> dict[str, dict[str, di
 
 def targets(table: dict[str, dict[str, dict]]) -> list[dict[str, Any]]:
     """Each target, the measured value beside it, and whether it is met."""
-    s1, s2, s3 = (table[w.name] for w in WORKLOADS)
+    s1, s2, s3 = (table[w.name] for w in WORKLOADS[:3])
 
     def ratio(rows: dict[str, dict], key: str) -> float:
         return rows["prefix"][key] / rows["least-request"][key]
@@ -395,6 +447,11 @@ def targets(table: dict[str, dict[str, dict]]) -> list[dict[str, Any]]:
             "S3 smallest replica share with prefix (> 0: no replica idle)",
             s3["prefix"]["min_replica_share"],
             lambda v: v > 0,
+        ),
+        (
+            "S1 hit rate, prefix / best possible (>= 0.9)",
+            s1["prefix"]["hit_rate"] / s1["prefix"]["best_hit_rate"],
+            lambda v: v >= 0.9,
         ),
     ]
     return [
@@ -456,9 +513,10 @@ def plot(path: Path, table: dict[str, dict[str, dict]]) -> None:
     import matplotlib.pyplot as plt
 
     names = list(table)
+    policies = list(table[names[0]])
     figure, (ttft, hits) = plt.subplots(1, 2, figsize=(11, 4))
-    width = 0.8 / len(POLICIES)
-    for offset, policy in enumerate(POLICIES):
+    width = 0.8 / len(policies)
+    for offset, policy in enumerate(policies):
         xs = [i + offset * width for i in range(len(names))]
         ttft.bar(xs, [table[n][policy]["ttft_p50"] for n in names], width, label=policy)
         hits.bar(xs, [table[n][policy]["hit_rate"] for n in names], width, label=policy)
@@ -502,9 +560,10 @@ def main() -> None:
     args = parser.parse_args()
     balance_args = ["--balance-factor", args.balance_factor] if args.balance_factor else []
     args.out.mkdir(parents=True, exist_ok=True)
-    envoys = policy_envoys(balance_args)
+    envoys = {**policy_envoys(balance_args), NO_REPORTS: ["--balance", "prefix", *balance_args]}
+    no_reports = {NO_REPORTS: {"PICKER_LOAD_REPORTS": "off"}}
     model_dir, tokenizer, logs = prepared("bench-routing")
-    with fleet_running(model_dir, logs, envoys, args.kv_cache_gib) as fleet:
+    with fleet_running(model_dir, logs, envoys, args.kv_cache_gib, no_reports) as fleet:
         results = run_rounds(fleet, WORKLOADS, list(envoys), args.rounds, tokenizer)
     table = summary(results)
     met = targets(table)

@@ -213,6 +213,9 @@ def test_both_envoys_ask_one_picker_that_checks_the_same_replicas() -> None:
     listen_host, listen_port = parse_address(flags("llm-completions-picker")["listen"])
     assert listen_host == "0.0.0.0"
     assert {p["name"]: p["containerPort"] for p in spec["ports"]}["picker"] == listen_port
+    # Probed on the endpoint picker protocol's health services, which the picker serves.
+    assert spec["livenessProbe"]["grpc"] == {"port": listen_port, "service": "liveness"}
+    assert spec["readinessProbe"]["grpc"] == {"port": listen_port, "service": "readiness"}
     service = find("Service", "llm-completions-picker")
     labels = picker["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= labels.items()

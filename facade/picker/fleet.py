@@ -61,6 +61,7 @@ class FleetView:
     reports: dict[tuple[str, str], Reported] = field(default_factory=dict)
     holders: dict[str, str] = field(default_factory=dict)  # request id -> HOST:PORT
     synced: bool = False  # a first reading was taken
+    count_reports: bool = True  # off: a replica's load is only what this picker sent it
 
     def update(self, clusters: Clusters) -> set[tuple[str, str]]:
         """Takes a new reading; returns the (cluster, host) pairs that stopped being healthy."""
@@ -96,6 +97,8 @@ class FleetView:
             report.named_metrics["num_requests_running"]
             + report.named_metrics["num_requests_waiting"]
         )
+        if not self.count_reports:
+            return
         ours = self.in_flight[(cluster, host)] - 1  # the ending request is done
         bound = round(report.named_metrics.get("max_num_queued_reqs", 0)) or None
         self.reports[(cluster, host)] = Reported(max(0, held - ours), held, bound)

@@ -58,6 +58,7 @@ from facade.picker.protocol import (
 )
 from facade.render import keyed_clusters
 from facade.tls import describe_tls, listener_tls
+from service.options import add_option, one_of
 from service.settings import KeepaliveSettings, TlsSettings
 from service.transport.call_backlog import call_backlog_options
 from service.transport.keepalive import server_options
@@ -267,11 +268,12 @@ async def serve(
     every: float,
     balance_factor: int,
     tls: TlsSettings | None = None,
+    count_reports: bool = True,
 ) -> None:
     """Answers Envoy on `bind` (unix:PATH or HOST:PORT, over `tls` if given) while following
-    the replicas' health."""
+    the replicas' health; counts their load reports in their load unless told not to."""
     policy = CacheAwarePolicy(balance_factor)
-    fleet = FleetView()
+    fleet = FleetView(count_reports=count_reports)
     server = grpc.aio.server(
         options=[
             # A second picker on the port fails instead of taking half the Envoys' calls.
@@ -306,7 +308,11 @@ async def serve(
 async def serve_beside_envoy(args: argparse.Namespace) -> None:
     logger.info("replica picker on %s, following %s", args.socket, args.admin_url)
     await serve(
-        f"unix:{args.socket}", envoy_admin(args.admin_url), READ_EVERY_SECONDS, args.balance_factor
+        f"unix:{args.socket}",
+        envoy_admin(args.admin_url),
+        READ_EVERY_SECONDS,
+        args.balance_factor,
+        count_reports=args.load_reports == "on",
     )
 
 
@@ -332,7 +338,14 @@ async def serve_shared(args: argparse.Namespace, parser: argparse.ArgumentParser
         pools,
     )
     try:
-        await serve(f"{host}:{port}", checks.read, CHECK_EVERY_SECONDS, args.balance_factor, tls)
+        await serve(
+            f"{host}:{port}",
+            checks.read,
+            CHECK_EVERY_SECONDS,
+            args.balance_factor,
+            tls,
+            count_reports=args.load_reports == "on",
+        )
     finally:
         await checks.close()
 
@@ -358,6 +371,15 @@ def build_parser() -> argparse.ArgumentParser:
     # Its own variables: a picker sharing the service's environment serves plaintext unless told.
     add_listener_tls_options(parser, "the Envoys' calls (with --listen)", env_prefix="PICKER_")
     add_balance_factor_option(parser)
+    add_option(
+        parser,
+        "--load-reports",
+        "PICKER_LOAD_REPORTS",
+        "on",
+        "on: a replica's load counts the requests its last load report (on its replies) holds "
+        "besides this picker's; off: only the requests this picker sent it",
+        one_of("on", "off"),
+    )
     return parser
 
 

@@ -459,3 +459,12 @@ def test_a_picker_that_keeps_exiting_at_start_waits_longer_each_time_up_to_a_lim
         delays.append(next_delay(delays[-1], ran_seconds=0.1))
     assert delays[1:4] == [1.0, 2.0, 4.0]
     assert delays[-1] == MAX_DELAY_SECONDS
+
+
+def test_a_picker_told_to_ignore_reports_counts_only_its_own_requests() -> None:
+    fleet = FleetView(count_reports=False)
+    fleet.update({"c": {A: Replica(True), B: Replica(True)}})
+    fleet.started("c", A)
+    fleet.reported("c", A, report(running=4, waiting=2, bound=6))
+    assert fleet.loads("c") == {A: 1, B: 0}
+    assert not fleet.saturated("c", [A])
