@@ -13,6 +13,7 @@ import collections
 import contextlib
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -395,3 +396,38 @@ def test_a_high_priority_request_starts_before_earlier_low_priority_ones(
     # first token a moment before it; first come, first served would start all of them first.
     assert len(started_first) <= BATCH - 1, (len(started_first), len(earlier_and_waiting))
     wait_until_idle(metrics_url)
+
+
+def test_a_queued_request_is_cancelled_by_its_id_and_leaves_the_queue(small: TestStack) -> None:
+    """Waiting behind a full batch, not yet started: the cancel takes it out of the engine's
+    queue, its call ends CANCELLED at once, and the batch runs on."""
+    metrics_url = small_metrics(small)
+    request_id = f"queued-{uuid.uuid4().hex}"
+    tagged = (("x-request-id", request_id),)
+
+    async def scenario() -> tuple[list[Outcome], Outcome, int]:
+        async with surfaces(small, {}, ()) as on:
+            running = await occupied_batch(on, metrics_url, max_tokens=64)
+            queued = asyncio.ensure_future(
+                grpc_stream(on.grpc, completion("Count:", max_tokens=8), tagged)
+            )
+            await gauge_reaches(metrics_url, "vllm:num_requests_waiting", 1)
+            answer = await on.rest.post(f"/v2/completions/{request_id}/cancel")
+            assert answer.status_code == 200, answer.text
+            cancelled = await queued
+            await gauge_falls_to(metrics_url, "vllm:num_requests_waiting", 0)
+            return await asyncio.gather(*running), cancelled, answer.json()["cancelled"]
+
+    running, cancelled, count = asyncio.run(scenario())
+    assert count == 1
+    assert cancelled.status == "CANCELLED" and cancelled.first_token_at is None
+    assert [outcome.status for outcome in running] == ["OK"] * BATCH
+    wait_until_idle(metrics_url)
+
+
+async def gauge_falls_to(metrics_url: str, name: str, value: float, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    watch = GaugeWatch(metrics_url, (name,))
+    while (await asyncio.to_thread(watch.current))[name] > value:
+        assert time.monotonic() < deadline, f"{name} did not fall to {value}"
+        await asyncio.sleep(0.05)

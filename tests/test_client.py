@@ -99,3 +99,28 @@ def test_clients_chat_whole_and_streamed_alike(stack: TestStack) -> None:
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content for c in chunks if c.choices) == content
     assert asyncio.run(run()) == content
+
+
+def test_clients_cancel_a_stream_by_its_request_id(stack: TestStack) -> None:
+    request_id = "client-cancel-test"
+    with CompletionClient(stack.grpc_target, api_key=API_KEY) as client:
+        chunks = client.stream(
+            model=MODEL,
+            prompt="Count:",
+            max_tokens=1000,
+            ignore_eos=True,
+            metadata=[("x-request-id", request_id)],
+        )
+        next(chunks)
+        assert client.cancel(request_id).cancelled == 1
+        with pytest.raises(grpc.RpcError) as raised:
+            list(chunks)
+        assert raised.value.code() == grpc.StatusCode.CANCELLED
+
+    async def unknown() -> grpc.StatusCode:
+        async with AsyncCompletionClient(stack.grpc_target, api_key=API_KEY) as client:
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await client.cancel("nobody-sent-this")
+            return raised.value.code()
+
+    assert asyncio.run(unknown()) == grpc.StatusCode.NOT_FOUND

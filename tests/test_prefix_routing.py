@@ -776,9 +776,7 @@ def test_a_stream_is_cancelled_by_its_id_through_another_envoy(fleet: Fleet) -> 
         with httpx.stream(
             "POST",
             f"{fleet.base_url}/v2/completions",
-            json=body(
-                prompt=shared_prefix("cancel"), max_tokens=380, ignore_eos=True, stream=True
-            ),
+            json=body(prompt=shared_prefix("cancel"), max_tokens=380, ignore_eos=True, stream=True),
             headers={"x-request-id": request_id},
             timeout=120,
         ) as reply:

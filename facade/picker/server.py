@@ -139,14 +139,15 @@ class ReplicaPicker(ext_proc_grpc.ExternalProcessorServicer):
         cancelled = header_value(headers, CANCEL_HEADER)
         if cancelled is not None:
             return destination_response(self.cancel_order(cancelled, eligible))
-        value = header_value(headers, PATH_HEADER)
-        path = PromptPath.parse(value) if value else None
-        if path is None:
-            return unpicked_response()
         if self.fleet.saturated(exchange.cluster, eligible):
             return shed("Every replica is at capacity; retry shortly.")
         loads = self.fleet.loads(exchange.cluster)
-        replicas = self.policy.choose(exchange.cluster, path, {h: loads[h] for h in eligible})
+        value = header_value(headers, PATH_HEADER)
+        path = PromptPath.parse(value) if value else None
+        if path is None:  # a gateway without our routing filter: by load alone
+            replicas = sorted(eligible, key=lambda host: loads[host])
+        else:
+            replicas = self.policy.choose(exchange.cluster, path, {h: loads[h] for h in eligible})
         self.started(exchange, replicas[0], header_value(headers, REQUEST_ID_HEADER))
         return destination_response(replicas)
 

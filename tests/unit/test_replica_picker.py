@@ -468,3 +468,10 @@ def test_a_picker_told_to_ignore_reports_counts_only_its_own_requests() -> None:
     fleet.reported("c", A, report(running=4, waiting=2, bound=6))
     assert fleet.loads("c") == {A: 1, B: 0}
     assert not fleet.saturated("c", [A])
+
+
+def test_a_request_without_a_prompt_path_goes_to_the_least_loaded_replica() -> None:
+    """Behind a gateway without our routing filter the picker still answers, by load."""
+    picker = two_replicas(A, B)
+    picker.fleet.started("c", A)
+    assert picked(picker.route(Exchange("c"), request())) == [B, A]

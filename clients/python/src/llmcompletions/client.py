@@ -17,6 +17,11 @@ CreateCompletionRequest may be passed instead. Chat works the same way:
         for chunk in client.chat_stream(model="smollm2-135m-instruct", messages=[...]):
             print(chunk.choices[0].delta.content if chunk.choices else "", end="")
 
+A completion sent with an `x-request-id` of the caller's choosing can be stopped from anywhere
+(another thread, process or Envoy of the fleet) by that id, with the same API key:
+
+        client.cancel("my-request-1")  # its call ends with grpc.StatusCode.CANCELLED
+
 Over TLS, pass `tls=Tls(ca_file=...)` (and `cert_file`, `key_file` for mutual TLS):
 
     with CompletionClient("llm.internal:50051", tls=Tls("ca.crt", "me.crt", "me.key")) as c:
@@ -36,6 +41,8 @@ from google.protobuf import json_format
 
 from llmcompletions.v2 import completions_pb2_grpc
 from llmcompletions.v2.completions_pb2 import (
+    CancelCompletionRequest,
+    CancelCompletionResponse,
     CreateChatCompletionRequest,
     CreateChatCompletionResponse,
     CreateCompletionRequest,
@@ -193,6 +200,23 @@ class CompletionClient:
             metadata=call_metadata(self._api_key, metadata),
         )
 
+    def cancel(
+        self,
+        request_id: str,
+        *,
+        model: str = "",
+        timeout: float | None = None,
+        metadata: Metadata = (),
+    ) -> CancelCompletionResponse:
+        """Stops this caller's completions and chats sent with `request_id` as their
+        x-request-id (`model` takes the cancel to its pool behind a multi-pool endpoint);
+        NOT_FOUND if none is running or queued."""
+        return self._stub.CancelCompletion(
+            CancelCompletionRequest(request_id=request_id, model=model),
+            timeout=timeout or self._timeout,
+            metadata=call_metadata(self._api_key, metadata),
+        )
+
     def close(self) -> None:
         self._channel.close()
 
@@ -298,6 +322,21 @@ class AsyncCompletionClient:
             metadata=call_metadata(self._api_key, metadata),
         ):
             yield message
+
+    async def cancel(
+        self,
+        request_id: str,
+        *,
+        model: str = "",
+        timeout: float | None = None,
+        metadata: Metadata = (),
+    ) -> CancelCompletionResponse:
+        """As CompletionClient.cancel."""
+        return await self._stub.CancelCompletion(
+            CancelCompletionRequest(request_id=request_id, model=model),
+            timeout=timeout or self._timeout,
+            metadata=call_metadata(self._api_key, metadata),
+        )
 
     async def close(self) -> None:
         await self._channel.close()
