@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
+from google.protobuf.message import Message
 from llmcompletions.v2 import completions_pb2_grpc
 from llmcompletions.v2.completions_pb2 import (
     CancelCompletionRequest,
@@ -54,17 +56,22 @@ class CompletionServicer(completions_pb2_grpc.CompletionServiceServicer):
     async def CreateCompletion(
         self, request: CreateCompletionRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[CreateCompletionResponse]:
-        serving, record = self.serving(), current_record()
-        with serving.cancellations.track(record.request_id, record.principal) as call:
-            async for message in serving.completions.complete(request, record, call):
-                yield message
+        async for message in self.cancellable(lambda serving: serving.completions, request):
+            yield message
 
     async def CreateChatCompletion(
         self, request: CreateChatCompletionRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[CreateChatCompletionResponse]:
+        async for message in self.cancellable(lambda serving: serving.chat, request):
+            yield message
+
+    async def cancellable(
+        self, handler: Callable[[Serving], Any], request: Message
+    ) -> AsyncIterator[Any]:
+        """The handler's messages for the request, while the call is cancellable by its id."""
         serving, record = self.serving(), current_record()
         with serving.cancellations.track(record.request_id, record.principal) as call:
-            async for message in serving.chat.complete(request, record, call):
+            async for message in handler(serving).complete(request, record, call):
                 yield message
 
     async def CancelCompletion(
