@@ -79,7 +79,8 @@ bench-frontend-same-flags: install
 	$(BIN)/python -m bench.profile --frontend-heavy $(FRONTEND_ARGS)
 
 # Two replicas on their own cores, prefix affinity against least request over three workloads,
-# 3 rounds interleaved (about 15 minutes; ROUTING_ARGS=--rounds N); bench/results/routing.*.
+# through four Envoys (least request, prefix-hash, prefix, prefix ignoring load reports) over four
+# workloads, 3 rounds interleaved (about 40 minutes; ROUTING_ARGS=--rounds N); bench/results/routing.*.
 bench-routing: install
 	$(BIN)/python -m bench.routing $(ROUTING_ARGS)
 
