@@ -78,7 +78,7 @@ bench-frontend: install
 bench-frontend-same-flags: install
 	$(BIN)/python -m bench.profile --frontend-heavy $(FRONTEND_ARGS)
 
-# Two replicas on their own cores, prefix affinity against least request over three workloads,
+# Two replicas on their own cores, prefix affinity against least request:
 # through four Envoys (least request, prefix-hash, prefix, prefix ignoring load reports) over four
 # workloads, 3 rounds interleaved (about 40 minutes; ROUTING_ARGS=--rounds N); bench/results/routing.*.
 bench-routing: install
