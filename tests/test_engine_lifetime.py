@@ -1,6 +1,6 @@
 """The engine's processes never outlive the server: killed outright (SIGKILL, as the OOM
 killer does) the server takes its engine core and workers with it and frees its port; stopped
-while the engine is still loading, it stops the load and exits at once. (Started beside the
+at any moment of its start, with SIGTERM or SIGKILL, it exits at once and leaves no process. (Started beside the
 session's engine with automatic binding, the service also warns that they share cores, and
 moves its engine core onto the cores vLLM bound its worker to.)"""
 
@@ -10,12 +10,14 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import pytest
 
+from service.model.lifetime import ENGINE_PARENT_ENV
 from tests.conftest import ENGINE_START_TIMEOUT, SMALL_ENGINE
 from tests.processes import TestStack, free_port, thread_affinities
 
@@ -107,18 +109,100 @@ def test_a_killed_server_leaves_no_engine_process_and_frees_its_port(
         sock.listen()
 
 
-def test_sigterm_while_the_engine_loads_stops_the_load_and_exits(service: TestStack) -> None:
-    server = psutil.Process(service.processes[0].pid)
-    deadline = time.monotonic() + ENGINE_START_TIMEOUT
-    while not any(p.name() == "VLLM::Worker" for p in engine_processes(server)):
-        assert time.monotonic() < deadline, "the engine never started loading"
-        assert service.processes[0].poll() is None, "the service exited while loading"
-        time.sleep(0.2)
-    assert not service.service_serving(), "the engine should still be loading"
-    engines = engine_processes(server)
-    sent = time.monotonic()
-    server.send_signal(signal.SIGTERM)
-    service.processes[0].wait(timeout=SIGTERM_EXIT_SECONDS)
-    exited = time.monotonic() - sent
-    assert exited < SIGTERM_EXIT_SECONDS
-    wait_gone(engines, GONE_WITHIN_SECONDS)
+# The moments of a start at which an orchestrator may stop a replica (a rolling update, a failed
+# startup probe, a scale-in), each recognised by what the replica has shown so far: the seconds
+# since its engine core appeared (None before), and its log.
+StageReached = Callable[[float | None, str], bool]
+STAGES: dict[str, StageReached] = {
+    "just spawned": lambda core_age, log: core_age is not None,
+    # The core spends its first seconds importing torch and vLLM, before it loads any plugin.
+    "importing": lambda core_age, log: core_age is not None and core_age >= 1.0,
+    "loading weights": lambda core_age, log: "Starting to load model" in log,
+    "warming up": lambda core_age, log: "Loading weights took" in log,
+}
+
+
+@dataclass
+class Starting:
+    """A replica being started, to be stopped with `signum` once it reaches a stage."""
+
+    replica: TestStack
+    signum: signal.Signals
+    core_seen: float | None = None
+    stopped_at: float | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.replica.processes[0].pid
+
+    def log(self) -> str:
+        assert self.replica.service_log is not None
+        return self.replica.service_log.read_text(errors="replace")
+
+    def stop_at(self, stage: StageReached) -> bool:
+        """Sends the signal once the stage is reached; True once sent."""
+        if self.stopped_at is not None:
+            return True
+        assert self.replica.processes[0].poll() is None, "the replica exited while starting"
+        if self.core_seen is None and engine_processes(psutil.Process(self.pid)):
+            self.core_seen = time.monotonic()
+        core_age = None if self.core_seen is None else time.monotonic() - self.core_seen
+        if not stage(core_age, self.log()):
+            return False
+        assert not self.replica.service_serving(), "the replica should still be starting"
+        os.kill(self.pid, self.signum)
+        self.stopped_at = time.monotonic()
+        return True
+
+
+def processes_of(server_pid: int) -> list[psutil.Process]:
+    """Every process on the host that a server started, whoever its parent is now: they all
+    carry the server's pid in their environment (even re-parented to PID 1)."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get(ENGINE_PARENT_ENV) == str(server_pid):
+                found.append(process)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return [p for p in found if p.pid != server_pid]
+
+
+def start_replica(tmp_path: Path, signum: signal.Signals) -> Starting:
+    replica = TestStack(
+        grpc_port=free_port(),
+        service_args=[*SMALL_ENGINE, "--metrics-port", str(free_port())],
+        service_log=tmp_path / f"service-{signum.name}.log",
+    )
+    replica.start(with_envoy=False)
+    return Starting(replica, signum)
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_stopped_at_any_moment_of_its_start_a_replica_leaves_nothing(
+    tmp_path: Path, stage: str
+) -> None:
+    """Two replicas start side by side; at `stage`, one gets SIGTERM and one SIGKILL. Both
+    are gone at once (SIGTERM: a clean exit), and a few seconds later no process either
+    started is left anywhere on the host."""
+    starting = [start_replica(tmp_path, s) for s in (signal.SIGTERM, signal.SIGKILL)]
+    try:
+        deadline = time.monotonic() + ENGINE_START_TIMEOUT
+        while not all([one.stop_at(STAGES[stage]) for one in starting]):
+            assert time.monotonic() < deadline, f"never reached {stage!r}"
+            time.sleep(0.1)
+        for one in starting:
+            returncode = one.replica.processes[0].wait(timeout=SIGTERM_EXIT_SECONDS)
+            assert returncode == (0 if one.signum == signal.SIGTERM else -signal.SIGKILL)
+            assert one.stopped_at is not None
+            assert time.monotonic() - one.stopped_at < SIGTERM_EXIT_SECONDS + 1
+        deadline = time.monotonic() + GONE_WITHIN_SECONDS
+        while any(processes_of(one.pid) for one in starting) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = {one.signum.name: processes_of(one.pid) for one in starting}
+        assert not any(left.values()), f"still running after {stage!r}: {left}"
+    finally:
+        for one in starting:
+            for process in processes_of(one.pid):
+                process.kill()
+            one.replica.stop()

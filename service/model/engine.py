@@ -152,7 +152,7 @@ def start_engine(settings: EngineSettings) -> ServedModel:
     )
     # The periodic throughput log line would drown the one-line-per-request log.
     logging.getLogger("vllm.v1.metrics.loggers").setLevel(logging.WARNING)
-    mark_engine_parent()  # the engine's processes die with this one
+    mark_engine_parent(Path(scratch.name))  # the engine's processes die with this one
     place_engine(
         settings.cpu_cores,
         settings.gpu_devices,
