@@ -435,6 +435,12 @@ def add_server_options(serve: argparse.ArgumentParser) -> None:
         serve, "--metrics-port", "METRICS_PORT", defaults.metrics_port, "Prometheus port", int
     )
     add_switch(serve, "--log-prompts", "LOG_PROMPTS", "log prompts and outputs in request lines")
+    add_switch(
+        serve,
+        "--enable-per-request-metrics",
+        "ENABLE_PER_REQUEST_METRICS",
+        "every reply carries its request's timings (`metrics`), as if asked with return_metrics",
+    )
     add_option(
         serve,
         "--drain-delay",
@@ -600,6 +606,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
         log_prompts=args.log_prompts,
+        per_request_metrics=args.enable_per_request_metrics,
         max_message_bytes=args.max_message_bytes,
         limits=RequestLimits(
             max_prompts=args.max_prompts,

@@ -123,6 +123,7 @@ class ServerSettings:
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = 9400  # None: no metrics endpoint
     log_prompts: bool = False
+    per_request_metrics: bool = False  # every reply carries `metrics`, asked for or not
     limits: RequestLimits = field(default_factory=RequestLimits)
     keepalive: KeepaliveSettings = field(default_factory=KeepaliveSettings)
     tls: TlsSettings | None = None  # None: plaintext

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from llmcompletions.v2.completions_pb2 import (
@@ -37,7 +37,9 @@ from service.api.backlog import Backlog
 from service.api.cancellation import CancellableCall
 from service.api.chat_replies import ChatReplies, chat_error, error_from
 from service.api.chat_requests import validate_chat_request, vllm_request
+from service.api.engine_calls import CURRENT_CALL, EngineCall, ObservedEngine
 from service.api.errors import PriorityNotEnabledError
+from service.api.timings import RequestTimings
 from service.model.adapters import ModelCatalog
 from service.model.engine import ServedModel
 from service.settings import ChatSettings, RequestLimits
@@ -109,7 +111,7 @@ def chat_serving(model: ServedModel, settings: ChatSettings) -> CatalogChat:
         base_model_paths=[BaseModelPath(name=model.name, model_path=str(model.name))],
     )
     serving = CatalogChat(
-        engine,
+        ObservedEngine(engine),  # type: ignore[arg-type]  # the engine, with the call's context
         models,
         "assistant",
         online_renderer=renderer,
@@ -124,15 +126,25 @@ class ChatHandler:
     """Runs chat requests on one served model."""
 
     def __init__(
-        self, model: ServedModel, limits: RequestLimits, backlog: Backlog, settings: ChatSettings
+        self,
+        model: ServedModel,
+        limits: RequestLimits,
+        backlog: Backlog,
+        settings: ChatSettings,
+        always_metrics: bool = False,
     ) -> None:
         self.model = model
+        self.always_metrics = always_metrics  # --enable-per-request-metrics
         self.limits = limits
         self.backlog = backlog
         self.serving = chat_serving(model, settings)
 
     async def complete(
-        self, request: CreateChatCompletionRequest, record: RequestRecord, call: CancellableCall
+        self,
+        request: CreateChatCompletionRequest,
+        record: RequestRecord,
+        call: CancellableCall,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> AsyncIterator[CreateChatCompletionResponse]:
         """Yield the one whole reply, or the stream chunks; raise CompletionError (and
         RequestCancelledError once `call` is cancelled)."""
@@ -147,11 +159,15 @@ class ChatHandler:
         engine_request = vllm_request(request, f"{record.request_id}-{uuid.uuid4().hex[:8]}")
         call.engine_prefix = f"{VLLM_CHAT_ID_PREFIX}{engine_request.request_id}"
         call.check()
+        timings = RequestTimings(received=record.started)
         replies = ChatReplies(
             model=request.model,
             system_fingerprint=self.model.system_fingerprint,
             usage_asked=request.stream_options.include_usage,
+            timings=timings if self.always_metrics or request.return_metrics else None,
         )
+        # Each call runs in its own task, whose context ends with it: nothing to reset.
+        CURRENT_CALL.set(EngineCall(timings, trace_headers or {}))
         try:
             async for message in self.run(engine_request, replies):
                 call.check()

@@ -22,6 +22,7 @@ from service.api.errors import (
     OverloadedError,
     RequestValidationError,
 )
+from service.api.timings import RequestTimings
 
 EVENT_PREFIX = "data: "
 DONE = "[DONE]"
@@ -65,11 +66,13 @@ class ChatReplies:
     model: str
     system_fingerprint: str
     usage_asked: bool  # a stream's usage chunk goes to the caller only if it asked
+    timings: RequestTimings | None = None  # the caller asked for the timings
     usage: dict[str, Any] = field(default_factory=dict)
 
     def whole(self, reply: dict[str, Any]) -> CreateChatCompletionResponse:
         self.usage = reply.get("usage") or {}
-        return self.message(reply)
+        message = self.message(reply)
+        return message if self.timings is None else self.with_timings(message)
 
     def events(self, text: str) -> Iterator[CreateChatCompletionResponse]:
         """The messages of one or more `data: ...` events; an error event raises."""
@@ -82,9 +85,19 @@ class ChatReplies:
                 raise chat_error(error.get("code", 500), error.get("message", ""), None)
             if event.get("usage"):
                 self.usage = event["usage"]
-                if not event.get("choices") and not self.usage_asked:
-                    continue
+                if not event.get("choices"):  # the last event
+                    if self.timings is not None:
+                        yield self.with_timings(self.message(event))
+                        continue
+                    if not self.usage_asked:
+                        continue
             yield self.message(event)
+
+    def with_timings(self, message: CreateChatCompletionResponse) -> CreateChatCompletionResponse:
+        """The reply, or a stream's last chunk, with the request's timings."""
+        assert self.timings is not None
+        message.metrics.CopyFrom(self.timings.reply())
+        return message
 
     def message(self, reply: dict[str, Any]) -> CreateChatCompletionResponse:
         reply["model"] = self.model

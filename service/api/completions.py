@@ -47,6 +47,7 @@ from service.api.sampling import (
     requested_n,
     sampling_params,
 )
+from service.api.timings import RequestTimings
 from service.api.validation import check_prompt_tokens, validate_request
 from service.model.engine import ServedModel
 from service.settings import RequestLimits
@@ -58,8 +59,15 @@ logger = logging.getLogger(__name__)
 class CompletionHandler:
     """Runs completion requests on one served model."""
 
-    def __init__(self, model: ServedModel, limits: RequestLimits, backlog: Backlog) -> None:
+    def __init__(
+        self,
+        model: ServedModel,
+        limits: RequestLimits,
+        backlog: Backlog,
+        always_metrics: bool = False,
+    ) -> None:
         self.model = model
+        self.always_metrics = always_metrics  # --enable-per-request-metrics
         self.limits = limits
         self.backlog = backlog
         # As many tokenizing threads as vLLM's own renderer (one by default). With more, calls
@@ -106,6 +114,8 @@ class CompletionHandler:
         slots = self.engine_requests(request, call.engine_prefix, len(prepared))
         call.check()
         self.backlog.admit(sequences)
+        timings = RequestTimings(received=record.started)
+        metrics_asked = self.always_metrics or request.return_metrics
         try:
             results = self.generate(
                 prepared, slots, adapter, constraint_field(request), request.priority
@@ -114,18 +124,27 @@ class CompletionHandler:
                 assembler = StreamAssembler(header, plan)
                 async for slot, result in results:
                     call.check()
+                    timings.observe(result)
                     for chunk in assembler.chunks(slot, result):
                         record.completion_tokens = assembler.completion_tokens
                         yield chunk
                 record.cached_tokens = assembler.cached.total
-                if request.stream_options.include_usage:
-                    yield assembler.usage_chunk()
+                last = assembler.usage_chunk() if request.stream_options.include_usage else None
+                if metrics_asked:
+                    last = last or header.message()
+                    last.metrics.CopyFrom(timings.reply())
+                if last is not None:
+                    yield last
             else:
                 outputs = await final_outputs(results, slots)
                 call.check()
                 response = whole_response(header, plan, outputs)
                 record.completion_tokens = response.usage.completion_tokens
                 record.cached_tokens = response.usage.prompt_tokens_details.cached_tokens
+                if metrics_asked:
+                    for _, result in outputs:
+                        timings.observe(result)
+                    response.metrics.CopyFrom(timings.reply())
                 yield response
         except Exception:
             call.check()  # a cancelled call's requests end early: what ends it is the cancel

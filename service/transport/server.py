@@ -159,8 +159,10 @@ def build_server(
 def serving(model: ServedModel, settings: ServerSettings) -> Serving:
     backlog = Backlog(model.engine, model.capacity)
     watch_backlog(backlog)
-    completions = CompletionHandler(model, settings.limits, backlog)
-    chat = ChatHandler(model, settings.limits, backlog, settings.chat)
+    completions = CompletionHandler(
+        model, settings.limits, backlog, always_metrics=settings.per_request_metrics
+    )
+    chat = ChatHandler(model, settings.limits, backlog, settings.chat, settings.per_request_metrics)
     tokenization = Tokenization(model, settings.limits, completions.tokenizing, backlog, chat)
     cancellations = Cancellations(model)
     return Serving(completions, chat, ModelListing(model), tokenization, cancellations)

@@ -148,7 +148,7 @@ class DetokenizeResponse(_message.Message):
     def __init__(self, prompt: _Optional[str] = ...) -> None: ...
 
 class CreateCompletionRequest(_message.Message):
-    __slots__ = ("model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "logprobs", "echo", "stop", "presence_penalty", "frequency_penalty", "best_of", "logit_bias", "seed", "suffix", "user", "top_k", "min_p", "repetition_penalty", "use_beam_search", "length_penalty", "early_stopping", "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens", "spaces_between_special_tokens", "add_special_tokens", "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern", "return_token_ids", "return_tokens_as_token_ids", "prompt_logprobs", "truncate_prompt_tokens", "truncation_side", "priority", "allowed_token_ids")
+    __slots__ = ("model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "logprobs", "echo", "stop", "presence_penalty", "frequency_penalty", "best_of", "logit_bias", "seed", "suffix", "user", "top_k", "min_p", "repetition_penalty", "use_beam_search", "length_penalty", "early_stopping", "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens", "spaces_between_special_tokens", "add_special_tokens", "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern", "return_token_ids", "return_tokens_as_token_ids", "prompt_logprobs", "truncate_prompt_tokens", "truncation_side", "priority", "allowed_token_ids", "return_metrics")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -201,6 +201,7 @@ class CreateCompletionRequest(_message.Message):
     TRUNCATION_SIDE_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_METRICS_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: _struct_pb2.Value
     max_tokens: int
@@ -246,7 +247,8 @@ class CreateCompletionRequest(_message.Message):
     truncation_side: str
     priority: int
     allowed_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., n: _Optional[int] = ..., stream: _Optional[bool] = ..., stream_options: _Optional[_Union[StreamOptions, _Mapping]] = ..., logprobs: _Optional[int] = ..., echo: _Optional[bool] = ..., stop: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., best_of: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., seed: _Optional[int] = ..., suffix: _Optional[str] = ..., user: _Optional[str] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., use_beam_search: _Optional[bool] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., add_special_tokens: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., guided_json: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., guided_regex: _Optional[str] = ..., guided_choice: _Optional[_Union[_struct_pb2.ListValue, _Mapping]] = ..., guided_grammar: _Optional[str] = ..., guided_decoding_backend: _Optional[str] = ..., guided_whitespace_pattern: _Optional[str] = ..., return_token_ids: _Optional[bool] = ..., return_tokens_as_token_ids: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ..., truncate_prompt_tokens: _Optional[int] = ..., truncation_side: _Optional[str] = ..., priority: _Optional[int] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    return_metrics: bool
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., n: _Optional[int] = ..., stream: _Optional[bool] = ..., stream_options: _Optional[_Union[StreamOptions, _Mapping]] = ..., logprobs: _Optional[int] = ..., echo: _Optional[bool] = ..., stop: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., best_of: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., seed: _Optional[int] = ..., suffix: _Optional[str] = ..., user: _Optional[str] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., use_beam_search: _Optional[bool] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., add_special_tokens: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., guided_json: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., guided_regex: _Optional[str] = ..., guided_choice: _Optional[_Union[_struct_pb2.ListValue, _Mapping]] = ..., guided_grammar: _Optional[str] = ..., guided_decoding_backend: _Optional[str] = ..., guided_whitespace_pattern: _Optional[str] = ..., return_token_ids: _Optional[bool] = ..., return_tokens_as_token_ids: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ..., truncate_prompt_tokens: _Optional[int] = ..., truncation_side: _Optional[str] = ..., priority: _Optional[int] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., return_metrics: _Optional[bool] = ...) -> None: ...
 
 class StreamOptions(_message.Message):
     __slots__ = ("include_usage", "continuous_usage_stats")
@@ -257,7 +259,7 @@ class StreamOptions(_message.Message):
     def __init__(self, include_usage: _Optional[bool] = ..., continuous_usage_stats: _Optional[bool] = ...) -> None: ...
 
 class CreateChatCompletionRequest(_message.Message):
-    __slots__ = ("model", "messages", "max_completion_tokens", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "logprobs", "top_logprobs", "stop", "presence_penalty", "frequency_penalty", "logit_bias", "seed", "user", "tools", "tool_choice", "parallel_tool_calls", "top_k", "min_p", "repetition_penalty", "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens", "spaces_between_special_tokens", "allowed_token_ids", "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern", "return_token_ids", "truncate_prompt_tokens", "priority", "add_generation_prompt", "continue_final_message", "echo", "add_special_tokens", "chat_template_kwargs", "documents", "chat_template")
+    __slots__ = ("model", "messages", "max_completion_tokens", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "logprobs", "top_logprobs", "stop", "presence_penalty", "frequency_penalty", "logit_bias", "seed", "user", "tools", "tool_choice", "parallel_tool_calls", "top_k", "min_p", "repetition_penalty", "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens", "spaces_between_special_tokens", "allowed_token_ids", "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern", "return_token_ids", "truncate_prompt_tokens", "priority", "add_generation_prompt", "continue_final_message", "echo", "add_special_tokens", "chat_template_kwargs", "documents", "chat_template", "return_metrics")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -312,6 +314,7 @@ class CreateChatCompletionRequest(_message.Message):
     CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
     DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    RETURN_METRICS_FIELD_NUMBER: _ClassVar[int]
     model: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     max_completion_tokens: int
@@ -359,7 +362,8 @@ class CreateChatCompletionRequest(_message.Message):
     chat_template_kwargs: _struct_pb2.Struct
     documents: _struct_pb2.ListValue
     chat_template: str
-    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_completion_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., n: _Optional[int] = ..., stream: _Optional[bool] = ..., stream_options: _Optional[_Union[StreamOptions, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., stop: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., seed: _Optional[int] = ..., user: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[ChatTool, _Mapping]]] = ..., tool_choice: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., guided_json: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., guided_regex: _Optional[str] = ..., guided_choice: _Optional[_Union[_struct_pb2.ListValue, _Mapping]] = ..., guided_grammar: _Optional[str] = ..., guided_decoding_backend: _Optional[str] = ..., guided_whitespace_pattern: _Optional[str] = ..., return_token_ids: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., echo: _Optional[bool] = ..., add_special_tokens: _Optional[bool] = ..., chat_template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., documents: _Optional[_Union[_struct_pb2.ListValue, _Mapping]] = ..., chat_template: _Optional[str] = ...) -> None: ...
+    return_metrics: bool
+    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_completion_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., n: _Optional[int] = ..., stream: _Optional[bool] = ..., stream_options: _Optional[_Union[StreamOptions, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., stop: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., seed: _Optional[int] = ..., user: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[ChatTool, _Mapping]]] = ..., tool_choice: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., guided_json: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., guided_regex: _Optional[str] = ..., guided_choice: _Optional[_Union[_struct_pb2.ListValue, _Mapping]] = ..., guided_grammar: _Optional[str] = ..., guided_decoding_backend: _Optional[str] = ..., guided_whitespace_pattern: _Optional[str] = ..., return_token_ids: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., echo: _Optional[bool] = ..., add_special_tokens: _Optional[bool] = ..., chat_template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., documents: _Optional[_Union[_struct_pb2.ListValue, _Mapping]] = ..., chat_template: _Optional[str] = ..., return_metrics: _Optional[bool] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "reasoning")
@@ -420,7 +424,7 @@ class ChatFunctionCall(_message.Message):
     def __init__(self, name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
 
 class CreateChatCompletionResponse(_message.Message):
-    __slots__ = ("id", "object", "created", "model", "choices", "usage", "system_fingerprint", "error", "prompt_token_ids")
+    __slots__ = ("id", "object", "created", "model", "choices", "usage", "system_fingerprint", "error", "prompt_token_ids", "metrics")
     ID_FIELD_NUMBER: _ClassVar[int]
     OBJECT_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
@@ -430,6 +434,7 @@ class CreateChatCompletionResponse(_message.Message):
     SYSTEM_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
     id: str
     object: str
     created: int
@@ -439,7 +444,8 @@ class CreateChatCompletionResponse(_message.Message):
     system_fingerprint: str
     error: StreamError
     prompt_token_ids: _struct_pb2.ListValue
-    def __init__(self, id: _Optional[str] = ..., object: _Optional[str] = ..., created: _Optional[int] = ..., model: _Optional[str] = ..., choices: _Optional[_Iterable[_Union[ChatChoice, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., system_fingerprint: _Optional[str] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ..., prompt_token_ids: _Optional[_Union[_struct_pb2.ListValue, _Mapping]] = ...) -> None: ...
+    metrics: RequestMetrics
+    def __init__(self, id: _Optional[str] = ..., object: _Optional[str] = ..., created: _Optional[int] = ..., model: _Optional[str] = ..., choices: _Optional[_Iterable[_Union[ChatChoice, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., system_fingerprint: _Optional[str] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ..., prompt_token_ids: _Optional[_Union[_struct_pb2.ListValue, _Mapping]] = ..., metrics: _Optional[_Union[RequestMetrics, _Mapping]] = ...) -> None: ...
 
 class ChatChoice(_message.Message):
     __slots__ = ("index", "message", "delta", "finish_reason", "stop_reason", "logprobs", "token_ids")
@@ -520,7 +526,7 @@ class JsonSchema(_message.Message):
     def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., schema: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., strict: _Optional[bool] = ...) -> None: ...
 
 class CreateCompletionResponse(_message.Message):
-    __slots__ = ("id", "object", "created", "model", "choices", "usage", "system_fingerprint", "error")
+    __slots__ = ("id", "object", "created", "model", "choices", "usage", "system_fingerprint", "error", "metrics")
     ID_FIELD_NUMBER: _ClassVar[int]
     OBJECT_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
@@ -529,6 +535,7 @@ class CreateCompletionResponse(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     SYSTEM_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
     id: str
     object: str
     created: int
@@ -537,7 +544,24 @@ class CreateCompletionResponse(_message.Message):
     usage: Usage
     system_fingerprint: str
     error: StreamError
-    def __init__(self, id: _Optional[str] = ..., object: _Optional[str] = ..., created: _Optional[int] = ..., model: _Optional[str] = ..., choices: _Optional[_Iterable[_Union[Choice, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., system_fingerprint: _Optional[str] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ...) -> None: ...
+    metrics: RequestMetrics
+    def __init__(self, id: _Optional[str] = ..., object: _Optional[str] = ..., created: _Optional[int] = ..., model: _Optional[str] = ..., choices: _Optional[_Iterable[_Union[Choice, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., system_fingerprint: _Optional[str] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ..., metrics: _Optional[_Union[RequestMetrics, _Mapping]] = ...) -> None: ...
+
+class RequestMetrics(_message.Message):
+    __slots__ = ("time_to_first_token_ms", "generation_time_ms", "queue_time_ms", "mean_itl_ms", "tokens_per_second", "total_time_ms")
+    TIME_TO_FIRST_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_TIME_MS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_TIME_MS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ITL_MS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_TIME_MS_FIELD_NUMBER: _ClassVar[int]
+    time_to_first_token_ms: float
+    generation_time_ms: float
+    queue_time_ms: float
+    mean_itl_ms: float
+    tokens_per_second: float
+    total_time_ms: float
+    def __init__(self, time_to_first_token_ms: _Optional[float] = ..., generation_time_ms: _Optional[float] = ..., queue_time_ms: _Optional[float] = ..., mean_itl_ms: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., total_time_ms: _Optional[float] = ...) -> None: ...
 
 class Choice(_message.Message):
     __slots__ = ("index", "text", "finish_reason", "logprobs", "stop_reason", "token_ids", "prompt_token_ids", "prompt_logprobs")
