@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from plumbing.tracing import add_tracing_option, tracing_settings
 from service.model.capacity import QUEUED_BATCHES, QUEUED_PREFILL_STEPS
 from service.model.default_model import DEFAULT_SERVED_MODEL_NAME
 from service.model.placement import PlacementError, available_cores, parse_core_list
@@ -24,6 +25,9 @@ from service.settings import (
     ServerSettings,
 )
 from service.transport.tls import tls_settings
+
+# The service's name in traces, unless OTEL_SERVICE_NAME names it.
+DEFAULT_TRACING_NAME = "llm-completions"
 
 
 def add_option(
@@ -435,6 +439,7 @@ def add_server_options(serve: argparse.ArgumentParser) -> None:
         serve, "--metrics-port", "METRICS_PORT", defaults.metrics_port, "Prometheus port", int
     )
     add_switch(serve, "--log-prompts", "LOG_PROMPTS", "log prompts and outputs in request lines")
+    add_tracing_option(serve)
     add_switch(
         serve,
         "--enable-per-request-metrics",
@@ -593,6 +598,7 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
         extra_engine_args=args.engine_args,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
 
 
@@ -623,4 +629,5 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         ),
         tls=tls_settings(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file),
         chat=chat_settings(args),
+        tracing=tracing_settings(args.otlp_traces_endpoint, DEFAULT_TRACING_NAME),
     )

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from plumbing.tracing import TracingSettings
+
 
 @dataclass(frozen=True)
 class LoraModule:
@@ -50,6 +52,8 @@ class EngineSettings:
     max_loras: int = 1  # adapters in one batch
     max_lora_rank: int = 16  # the largest adapter rank the engine accepts
     extra_engine_args: dict[str, Any] = field(default_factory=dict)
+    # vLLM's request spans (`llm_request`) go here; None: no tracing.
+    otlp_traces_endpoint: str | None = None
 
 
 @dataclass(frozen=True)
@@ -128,3 +132,4 @@ class ServerSettings:
     keepalive: KeepaliveSettings = field(default_factory=KeepaliveSettings)
     tls: TlsSettings | None = None  # None: plaintext
     chat: ChatSettings = field(default_factory=ChatSettings)
+    tracing: TracingSettings | None = None  # None: no tracing

@@ -26,6 +26,8 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from opentelemetry.trace import SpanKind
+from opentelemetry.util.types import AttributeValue
 
 from facade.addresses import parse_address
 from facade.balancing import PATH_HEADER
@@ -58,6 +60,13 @@ from facade.picker.protocol import (
 )
 from facade.render import keyed_clusters
 from facade.tls import describe_tls, listener_tls
+from plumbing.tracing import (
+    add_tracing_option,
+    incoming_context,
+    start_tracing,
+    tracer,
+    tracing_settings,
+)
 from service.options import add_option, one_of
 from service.settings import KeepaliveSettings, TlsSettings
 from service.transport.call_backlog import call_backlog_options
@@ -72,6 +81,8 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 READ_EVERY_SECONDS = 0.25  # health changes at Envoy's 2 s health checks
 REPORT_EVERY_SECONDS = 60
 logger = logging.getLogger("facade.picker")
+# The picker's name in traces, unless OTEL_SERVICE_NAME names it.
+DEFAULT_TRACING_NAME = "llm-completions-picker"
 
 
 @dataclass
@@ -81,6 +92,12 @@ class Exchange:
     cluster: str
     picked: str | None = None  # where the request went, counted as load there until it ends
     request_id: str | None = None
+    # With tracing on: the decision's facts, for its span (None: tracing off, nothing kept).
+    decision: dict[str, AttributeValue] | None = None
+
+    def note(self, **facts: AttributeValue) -> None:
+        if self.decision is not None:
+            self.decision.update(facts)
 
 
 class ReplicaPicker(ext_proc_grpc.ExternalProcessorServicer):
@@ -90,10 +107,11 @@ class ReplicaPicker(ext_proc_grpc.ExternalProcessorServicer):
     open until the request ends (or is cancelled): the pick counts as load on its replica until
     then."""
 
-    def __init__(self, policy: CacheAwarePolicy, fleet: FleetView) -> None:
+    def __init__(self, policy: CacheAwarePolicy, fleet: FleetView, traced: bool = False) -> None:
         self.policy = policy
         self.fleet = fleet
         self.unknown: set[str] = set()  # clusters Envoy asked about that the fleet lacks
+        self.traced = traced  # each decision is a span, under Envoy's call to this picker
 
     async def Process(
         self,
@@ -101,11 +119,13 @@ class ReplicaPicker(ext_proc_grpc.ExternalProcessorServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[ext_proc.ProcessingResponse]:
         cluster = dict(context.invocation_metadata() or ()).get(CLUSTER_METADATA)
-        exchange = Exchange(str(cluster or ""))
+        exchange = Exchange(str(cluster or ""), decision={} if self.traced else None)
         try:
             async for request in request_iterator:
                 part = request.WhichOneof("request")
-                if part == "request_headers":
+                if part == "request_headers" and self.traced:
+                    yield self.traced_route(exchange, request, context)
+                elif part == "request_headers":
                     yield self.route(exchange, request)
                 elif part == "response_headers":
                     self.served(exchange, request)
@@ -116,12 +136,29 @@ class ReplicaPicker(ext_proc_grpc.ExternalProcessorServicer):
         finally:
             self.release(exchange)
 
+    def traced_route(
+        self,
+        exchange: Exchange,
+        request: ext_proc.ProcessingRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> ext_proc.ProcessingResponse:
+        """`route`, as a span under Envoy's call to this picker (its metadata's traceparent)."""
+        parent = incoming_context(context.invocation_metadata())
+        with tracer().start_as_current_span(
+            "pick replica", context=parent, kind=SpanKind.SERVER
+        ) as span:
+            response = self.route(exchange, request)
+            span.set_attributes({"llm_completions.cluster": exchange.cluster})
+            span.set_attributes(exchange.decision or {})
+            return response
+
     def route(
         self, exchange: Exchange, request: ext_proc.ProcessingRequest
     ) -> ext_proc.ProcessingResponse:
         """The answer to a request's headers: where it goes, or why it cannot."""
         headers = request.request_headers.headers.headers
         if not exchange.cluster or not self.fleet.synced:
+            exchange.note(**{"llm_completions.pick": "none: Envoy balances"})
             return unpicked_response()  # fail open: Envoy balances it itself
         if self.fleet.clusters and exchange.cluster not in self.fleet.clusters:
             self.warn_unknown(exchange.cluster)
@@ -133,6 +170,7 @@ class ReplicaPicker(ext_proc_grpc.ExternalProcessorServicer):
             if allowed is None or host in allowed
         ]
         if not eligible:
+            exchange.note(**{"llm_completions.pick": "none: no replica ready"})
             return no_ready_endpoint(
                 "No replica is ready" + ("" if allowed is None else " among the subset hinted")
             )
@@ -140,6 +178,7 @@ class ReplicaPicker(ext_proc_grpc.ExternalProcessorServicer):
         if cancelled is not None:
             return destination_response(self.cancel_order(cancelled, eligible))
         if self.fleet.saturated(exchange.cluster, eligible):
+            exchange.note(**{"llm_completions.pick": "none: every replica at capacity"})
             return shed("Every replica is at capacity; retry shortly.")
         loads = self.fleet.loads(exchange.cluster)
         value = header_value(headers, PATH_HEADER)
@@ -147,9 +186,28 @@ class ReplicaPicker(ext_proc_grpc.ExternalProcessorServicer):
         if path is None:  # a gateway without our routing filter: by load alone
             replicas = sorted(eligible, key=lambda host: loads[host])
         else:
+            if exchange.decision is not None:
+                exchange.note(**self.prefix_match(exchange.cluster, path, eligible))
             replicas = self.policy.choose(exchange.cluster, path, {h: loads[h] for h in eligible})
+        exchange.note(
+            **{
+                "llm_completions.pick": "prefix" if path is not None else "load",
+                "llm_completions.replica": replicas[0],
+                "llm_completions.replica_load": loads[replicas[0]],
+            }
+        )
         self.started(exchange, replicas[0], header_value(headers, REQUEST_ID_HEADER))
         return destination_response(replicas)
+
+    def prefix_match(
+        self, cluster: str, path: PromptPath, eligible: list[str]
+    ) -> dict[str, AttributeValue]:
+        """How much of the prompt's path a replica was already sent (before this pick)."""
+        level, holders = self.policy.deepest_known(cluster, path, dict.fromkeys(eligible, 0))
+        return {
+            "llm_completions.prefix_known": path.depth(level) if holders else 0,
+            "llm_completions.prefix_length": path.covered(),
+        }
 
     def cancel_order(self, request_id: str, eligible: list[str]) -> list[str]:
         """A cancel goes to the replica this picker sent the request to first, then to every
@@ -270,9 +328,11 @@ async def serve(
     balance_factor: int,
     tls: TlsSettings | None = None,
     count_reports: bool = True,
+    traced: bool = False,
 ) -> None:
     """Answers Envoy on `bind` (unix:PATH or HOST:PORT, over `tls` if given) while following
-    the replicas' health; counts their load reports in their load unless told not to."""
+    the replicas' health; counts their load reports in their load unless told not to; with
+    `traced`, each decision is a span."""
     policy = CacheAwarePolicy(balance_factor)
     fleet = FleetView(count_reports=count_reports)
     server = grpc.aio.server(
@@ -286,7 +346,9 @@ async def serve(
             *call_backlog_options(),
         ]
     )
-    ext_proc_grpc.add_ExternalProcessorServicer_to_server(ReplicaPicker(policy, fleet), server)
+    ext_proc_grpc.add_ExternalProcessorServicer_to_server(
+        ReplicaPicker(policy, fleet, traced), server
+    )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
@@ -314,6 +376,7 @@ async def serve_beside_envoy(args: argparse.Namespace) -> None:
         READ_EVERY_SECONDS,
         args.balance_factor,
         count_reports=args.load_reports == "on",
+        traced=args.otlp_traces_endpoint is not None,
     )
 
 
@@ -346,6 +409,7 @@ async def serve_shared(args: argparse.Namespace, parser: argparse.ArgumentParser
             args.balance_factor,
             tls,
             count_reports=args.load_reports == "on",
+            traced=args.otlp_traces_endpoint is not None,
         )
     finally:
         await checks.close()
@@ -372,6 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Its own variables: a picker sharing the service's environment serves plaintext unless told.
     add_listener_tls_options(parser, "the Envoys' calls (with --listen)", env_prefix="PICKER_")
     add_balance_factor_option(parser)
+    add_tracing_option(parser)
     add_option(
         parser,
         "--load-reports",
@@ -388,6 +453,9 @@ def main() -> None:
     parser = build_parser()
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="envoy picker: %(message)s")
+    tracing = tracing_settings(args.otlp_traces_endpoint, DEFAULT_TRACING_NAME)
+    if tracing is not None:
+        start_tracing(tracing)
     if args.socket is not None:
         if args.admin_url is None:
             parser.error("--socket needs --admin-url: the picker follows that Envoy's view")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from typing import Any
 
 from llmcompletions.v2.completions_pb2 import (
@@ -33,6 +33,7 @@ from vllm.renderers.chat_utils import load_chat_template
 from vllm.renderers.online_renderer import OnlineRenderer
 from vllm.tool_parsers import ToolParserManager
 
+from plumbing.tracing import annotate_call, child_span, outgoing_headers
 from service.api.backlog import Backlog
 from service.api.cancellation import CancellableCall
 from service.api.chat_replies import ChatReplies, chat_error, error_from
@@ -140,21 +141,12 @@ class ChatHandler:
         self.serving = chat_serving(model, settings)
 
     async def complete(
-        self,
-        request: CreateChatCompletionRequest,
-        record: RequestRecord,
-        call: CancellableCall,
-        trace_headers: Mapping[str, str] | None = None,
+        self, request: CreateChatCompletionRequest, record: RequestRecord, call: CancellableCall
     ) -> AsyncIterator[CreateChatCompletionResponse]:
         """Yield the one whole reply, or the stream chunks; raise CompletionError (and
         RequestCancelledError once `call` is cancelled)."""
-        validate_chat_request(
-            request, self.model.vocab_size, self.model.structured_outputs_backend, self.limits
-        )
-        if request.priority and self.model.scheduling_policy != "priority":
-            raise PriorityNotEnabledError(request.priority)
-        self.model.catalog.resolve(request.model)  # 404 unless served
-        self.backlog.check(request.n if request.HasField("n") else 1)
+        with child_span("validate"):
+            self.validate(request)
         # The engine request ids carry the request id, so engine logs can be matched to it.
         engine_request = vllm_request(request, f"{record.request_id}-{uuid.uuid4().hex[:8]}")
         call.engine_prefix = f"{VLLM_CHAT_ID_PREFIX}{engine_request.request_id}"
@@ -166,20 +158,33 @@ class ChatHandler:
             usage_asked=request.stream_options.include_usage,
             timings=timings if self.always_metrics or request.return_metrics else None,
         )
-        # Each call runs in its own task, whose context ends with it: nothing to reset.
-        CURRENT_CALL.set(EngineCall(timings, trace_headers or {}))
-        try:
-            async for message in self.run(engine_request, replies):
+        # vLLM's chat serving renders and tokenizes the conversation itself, under this span.
+        with child_span("render, tokenize and generate") as engine_span:
+            # Each call runs in its own task, whose context ends with it: nothing to reset.
+            CURRENT_CALL.set(EngineCall(timings, outgoing_headers(engine_span)))
+            try:
+                async for message in self.run(engine_request, replies):
+                    call.check()
+                    yield message
                 call.check()
-                yield message
-            call.check()
-        except Exception:
-            call.check()  # a cancelled call's requests end early: what ends it is the cancel
-            raise
-        finally:
-            record.prompt_tokens, record.completion_tokens, record.cached_tokens = (
-                replies.token_counts()
-            )
+            except Exception:
+                call.check()  # a cancelled call's requests end early: what ends it is the cancel
+                raise
+            finally:
+                record.prompt_tokens, record.completion_tokens, record.cached_tokens = (
+                    replies.token_counts()
+                )
+
+    def validate(self, request: CreateChatCompletionRequest) -> None:
+        validate_chat_request(
+            request, self.model.vocab_size, self.model.structured_outputs_backend, self.limits
+        )
+        if request.priority and self.model.scheduling_policy != "priority":
+            raise PriorityNotEnabledError(request.priority)
+        adapter = self.model.catalog.resolve(request.model)  # 404 unless served
+        if adapter is not None:
+            annotate_call(**{"llm_completions.adapter": adapter.lora_name})
+        self.backlog.check(request.n if request.HasField("n") else 1)
 
     async def prompt_token_ids(self, request: CreateChatCompletionRequest) -> list[int]:
         """The conversation rendered and tokenized exactly as a chat request renders it."""

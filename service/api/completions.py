@@ -6,8 +6,10 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from llmcompletions.v2.completions_pb2 import CreateCompletionRequest, CreateCompletionResponse
+from opentelemetry.trace import Span
 from vllm.exceptions import MaxQueuedTokensError, QueueOverflowError, VLLMValidationError
 from vllm.inputs import TokensPrompt
 from vllm.lora.request import LoRARequest
@@ -16,6 +18,7 @@ from vllm.tokenizers import TokenizerLike
 from vllm.utils.async_utils import merge_async_iterators
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
+from plumbing.tracing import annotate_call, child_span, outgoing_headers
 from service.api.backlog import Backlog
 from service.api.beam_search import BeamSearchSettings, beam_search
 from service.api.cancellation import CancellableCall
@@ -56,6 +59,16 @@ from service.transport.observability import RequestRecord
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class EngineRequestOptions:
+    """What every engine request of one call shares besides its sampling parameters."""
+
+    adapter: LoRARequest | None
+    constraint: str | None  # the structured-output field the request set, if any
+    priority: int
+    span: Span  # the engine's span: vLLM's request spans go under it
+
+
 class CompletionHandler:
     """Runs completion requests on one served model."""
 
@@ -87,25 +100,11 @@ class CompletionHandler:
         """Yield the one whole response, or the stream chunks; raise CompletionError (and
         RequestCancelledError once `call` is cancelled). Token counts go into `record` as they
         become known."""
-        prompts = validate_request(
-            request, self.model.vocab_size, self.model.structured_outputs_backend, self.limits
-        )
-        if request.priority and self.model.scheduling_policy != "priority":
-            raise PriorityNotEnabledError(request.priority)
-        adapter = self.model.catalog.resolve(request.model)
-        add_special_tokens = (
-            request.add_special_tokens if request.HasField("add_special_tokens") else True
-        )
-        sequences = len(prompts) * requested_candidates(request)
-        with self.backlog.preparing(sequences):
-            # Off the event loop: a long prompt takes a while to tokenize.
-            prepared = await asyncio.get_running_loop().run_in_executor(
-                self.tokenizing, prepare_prompts, prompts, self.model.tokenizer, add_special_tokens
-            )
-        if request.HasField("truncate_prompt_tokens"):
-            prepared = self.truncate(request, prepared)
-        check_prompt_tokens(prepared, self.limits.max_prompt_tokens)
-        self.check_context_length(prepared, requested_max_tokens(request))
+        with child_span("validate and tokenize"):
+            prepared, adapter = await self.prepare(request)
+        if adapter is not None:
+            annotate_call(**{"llm_completions.adapter": adapter.lora_name})
+        sequences = len(prepared) * requested_candidates(request)
         header = ResponseHeader.new(request.model, self.model.system_fingerprint)
         plan = choice_plan(request, prepared, self.model.tokenizer)
         record.prompt_tokens = plan.prompt_tokens()
@@ -116,41 +115,71 @@ class CompletionHandler:
         self.backlog.admit(sequences)
         timings = RequestTimings(received=record.started)
         metrics_asked = self.always_metrics or request.return_metrics
-        try:
-            results = self.generate(
-                prepared, slots, adapter, constraint_field(request), request.priority
-            )
-            if request.stream:
-                assembler = StreamAssembler(header, plan)
-                async for slot, result in results:
-                    call.check()
-                    timings.observe(result)
-                    for chunk in assembler.chunks(slot, result):
-                        record.completion_tokens = assembler.completion_tokens
-                        yield chunk
-                record.cached_tokens = assembler.cached.total
-                last = assembler.usage_chunk() if request.stream_options.include_usage else None
-                if metrics_asked:
-                    last = last or header.message()
-                    last.metrics.CopyFrom(timings.reply())
-                if last is not None:
-                    yield last
-            else:
-                outputs = await final_outputs(results, slots)
-                call.check()
-                response = whole_response(header, plan, outputs)
-                record.completion_tokens = response.usage.completion_tokens
-                record.cached_tokens = response.usage.prompt_tokens_details.cached_tokens
-                if metrics_asked:
-                    for _, result in outputs:
+        with child_span("engine", **{"llm_completions.engine_requests": len(slots)}) as engine_span:
+            try:
+                results = self.generate(
+                    prepared,
+                    slots,
+                    EngineRequestOptions(
+                        adapter, constraint_field(request), request.priority, engine_span
+                    ),
+                )
+                if request.stream:
+                    assembler = StreamAssembler(header, plan)
+                    async for slot, result in results:
+                        call.check()
                         timings.observe(result)
-                    response.metrics.CopyFrom(timings.reply())
-                yield response
-        except Exception:
-            call.check()  # a cancelled call's requests end early: what ends it is the cancel
-            raise
-        finally:
-            await self.model.engine.abort([slot.request_id for slot in slots])  # no-op if done
+                        for chunk in assembler.chunks(slot, result):
+                            record.completion_tokens = assembler.completion_tokens
+                            yield chunk
+                    record.cached_tokens = assembler.cached.total
+                    last = assembler.usage_chunk() if request.stream_options.include_usage else None
+                    if metrics_asked:
+                        last = last or header.message()
+                        last.metrics.CopyFrom(timings.reply())
+                    if last is not None:
+                        yield last
+                else:
+                    outputs = await final_outputs(results, slots)
+                    call.check()
+                    response = whole_response(header, plan, outputs)
+                    record.completion_tokens = response.usage.completion_tokens
+                    record.cached_tokens = response.usage.prompt_tokens_details.cached_tokens
+                    if metrics_asked:
+                        for _, result in outputs:
+                            timings.observe(result)
+                        response.metrics.CopyFrom(timings.reply())
+                    yield response
+            except Exception:
+                call.check()  # a cancelled call's requests end early: what ends it is the cancel
+                raise
+            finally:
+                await self.model.engine.abort([slot.request_id for slot in slots])  # no-op if done
+
+    async def prepare(
+        self, request: CreateCompletionRequest
+    ) -> tuple[list[PreparedPrompt], LoRARequest | None]:
+        """The request validated and its prompts tokenized (truncated as asked), each checked
+        against the limits and the context; and the adapter its model names, if any."""
+        prompts = validate_request(
+            request, self.model.vocab_size, self.model.structured_outputs_backend, self.limits
+        )
+        if request.priority and self.model.scheduling_policy != "priority":
+            raise PriorityNotEnabledError(request.priority)
+        adapter = self.model.catalog.resolve(request.model)  # 404 for a model not served
+        add_special_tokens = (
+            request.add_special_tokens if request.HasField("add_special_tokens") else True
+        )
+        with self.backlog.preparing(len(prompts) * requested_candidates(request)):
+            # Off the event loop: a long prompt takes a while to tokenize.
+            prepared = await asyncio.get_running_loop().run_in_executor(
+                self.tokenizing, prepare_prompts, prompts, self.model.tokenizer, add_special_tokens
+            )
+        if request.HasField("truncate_prompt_tokens"):
+            prepared = self.truncate(request, prepared)
+        check_prompt_tokens(prepared, self.limits.max_prompt_tokens)
+        self.check_context_length(prepared, requested_max_tokens(request))
+        return prepared, adapter
 
     def truncate(
         self, request: CreateCompletionRequest, prompts: list[PreparedPrompt]
@@ -204,14 +233,11 @@ class CompletionHandler:
         self,
         prompts: Sequence[PreparedPrompt],
         slots: Sequence[EngineSlot],
-        adapter: LoRARequest | None,
-        constraint: str | None,
-        priority: int,
+        options: EngineRequestOptions,
     ) -> AsyncIterator[tuple[EngineSlot, RequestOutput]]:
         """Each engine request's outputs, interleaved as they come, engine errors translated."""
         generators = [
-            self.run(prompts[slot.prompt_index].token_ids, slot, adapter, priority)
-            for slot in slots
+            self.run(prompts[slot.prompt_index].token_ids, slot, options) for slot in slots
         ]
         outputs = merge_async_iterators(*generators)
         try:
@@ -230,7 +256,7 @@ class CompletionHandler:
             raise self.backlog.refusal(error) from error
         except VLLMValidationError as error:
             # The engine checks constraints (regex dialect, schema features) on submission.
-            field = error.parameter or constraint or "body"
+            field = error.parameter or options.constraint or "body"
             raise RequestValidationError(
                 [FieldViolation((field,), str(error), "value_error")]
             ) from error
@@ -238,20 +264,19 @@ class CompletionHandler:
             raise InternalError(f"The engine rejected the request: {error}") from error
 
     def run(
-        self,
-        prompt_ids: list[int],
-        slot: EngineSlot,
-        adapter: LoRARequest | None,
-        priority: int,
+        self, prompt_ids: list[int], slot: EngineSlot, options: EngineRequestOptions
     ) -> AsyncIterator[RequestOutput]:
         if isinstance(slot.params, BeamSearchSettings):
-            return self.beams(prompt_ids, slot.request_id, slot.params, adapter)
+            return self.beams(prompt_ids, slot.request_id, slot.params, options.adapter)
         return self.model.engine.generate(
             TokensPrompt(prompt_token_ids=prompt_ids),
             slot.params,
             slot.request_id,
-            lora_request=adapter,
-            priority=priority,
+            lora_request=options.adapter,
+            priority=options.priority,
+            # vLLM's request span goes under the engine span (never under another call's: a
+            # request without these is given whatever trace vLLM's output task started in).
+            trace_headers=outgoing_headers(options.span) or None,
         )
 
     async def beams(

@@ -117,15 +117,22 @@ def engine_args(
     if kv_cache_gib is not None:
         args["kv_cache_memory_bytes"] = int(kv_cache_gib * GIB)
     args.update(lora_args(settings, catalog))
+    if settings.otlp_traces_endpoint:
+        args["otlp_traces_endpoint"] = settings.otlp_traces_endpoint  # vLLM's request spans
     args.update(settings.extra_engine_args)
     return AsyncEngineArgs(**args)
+
+
+# Engine arguments that change nothing the model generates.
+NOT_CONFIGURATION = frozenset({"otlp_traces_endpoint"})
 
 
 def fingerprint(args: AsyncEngineArgs) -> str:
     """Stable for one model and engine configuration, as `system_fingerprint` promises."""
     import vllm
 
-    described = {"vllm": vllm.__version__, "args": {k: str(v) for k, v in vars(args).items()}}
+    configuration = {k: str(v) for k, v in vars(args).items() if k not in NOT_CONFIGURATION}
+    described = {"vllm": vllm.__version__, "args": configuration}
     digest = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
     return f"fp_{digest[:12]}"
 

@@ -113,6 +113,7 @@ class RequestRecord:
     user: str
     stream: bool
     principal: str = ""  # who called (service.transport.auth), "" without authentication
+    trace_id: str = ""  # the call's trace, with tracing on
     started: float = field(default_factory=time.monotonic)
     first_message_at: float | None = None
     last_message_at: float | None = None
@@ -162,6 +163,8 @@ class RequestRecord:
             "latency_s": round(latency, 4),
             "status": code,
         }
+        if self.trace_id:
+            fields["trace_id"] = self.trace_id
         if self.prompts is not None:
             fields.update(prompts=self.prompts, output=self.output)
         logger.info("request", extra={"fields": fields})

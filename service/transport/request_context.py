@@ -1,5 +1,6 @@
-"""The outermost interceptor: every call gets a request id and a record, and is counted and
-logged once with its true final status, whether it was served, refused or expired. It also
+"""The outermost interceptor: every call gets a request id and a record (and, with tracing on,
+a span), and is counted and logged once with its true final status, whether it was served,
+refused or expired. It also
 binds what the facade passed about the endpoint's models (`service.transport.endpoint_models`)."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from service.transport import endpoint_models
+from service.transport.call_tracing import start_call_span
 from service.transport.interception import StreamBehaviour, StreamInterceptor
 from service.transport.observability import IN_FLIGHT, RequestRecord
 
@@ -62,9 +64,12 @@ def logged_prompts(request: Message) -> list[str]:
 
 
 class RequestContextInterceptor(StreamInterceptor):
-    def __init__(self, methods: frozenset[str], log_prompts: bool = False) -> None:
+    def __init__(
+        self, methods: frozenset[str], log_prompts: bool = False, traced: bool = False
+    ) -> None:
         super().__init__(methods)
         self._log_prompts = log_prompts
+        self._traced = traced  # each call gets a span (off: no cost at all)
 
     async def around(
         self,
@@ -75,6 +80,7 @@ class RequestContextInterceptor(StreamInterceptor):
     ) -> AsyncIterator[Message]:
         record = self.record(method, request, context)
         token = _current.set(record)
+        span = start_call_span(method, record, context) if self._traced else None
         endpoint = endpoint_models.bind(context)
         code = "UNKNOWN"
         IN_FLIGHT.inc()
@@ -89,6 +95,8 @@ class RequestContextInterceptor(StreamInterceptor):
         finally:
             IN_FLIGHT.dec()
             record.finish(code)
+            if span is not None:
+                span.end(record, code)
             endpoint_models.unbind(endpoint)
             _current.reset(token)
 

@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection
 from llmcompletions.v2 import completions_pb2, completions_pb2_grpc
 from vllm.utils.gc_utils import freeze_gc_heap
 
+from plumbing.tracing import flush_tracing, start_tracing
 from service.api.backlog import Backlog
 from service.api.cancellation import Cancellations
 from service.api.chat import ChatHandler
@@ -110,7 +111,11 @@ def interceptor_chain(settings: ServerSettings, state: ServiceState) -> list[Str
     """Outermost first: request context -> authentication -> error mapping. Nothing holds a
     call back here: the serving logic refuses what passes the backlog bounds
     (service.api.backlog)."""
-    chain: list[StreamInterceptor] = [RequestContextInterceptor(ALL_METHODS, settings.log_prompts)]
+    chain: list[StreamInterceptor] = [
+        RequestContextInterceptor(
+            ALL_METHODS, settings.log_prompts, traced=settings.tracing is not None
+        )
+    ]
     if settings.api_key:
         chain.append(ApiKeyInterceptor(ALL_METHODS, settings.api_key))
     reports = LoadReports(state.load)
@@ -175,6 +180,8 @@ async def set_health(health_servicer: health.aio.HealthServicer, status: int) ->
 
 async def serve(server_settings: ServerSettings, engine_settings: EngineSettings) -> int:
     """Run until SIGINT or SIGTERM; return the process exit code."""
+    if server_settings.tracing is not None:
+        start_tracing(server_settings.tracing)  # before the engine's: vLLM's spans go with ours
     state = ServiceState()
     calls = CallTracker(WORKING_METHODS)
     server, health_servicer = build_server(server_settings, state, calls)
@@ -234,6 +241,8 @@ async def serve(server_settings: ServerSettings, engine_settings: EngineSettings
     await drain(server, calls, server_settings.shutdown_grace_seconds)
     if model is not None:
         model.engine.shutdown(timeout=server_settings.engine_stop_seconds)
+    if server_settings.tracing is not None:
+        flush_tracing()
     logger.info("stopped")
     return exit_code
 

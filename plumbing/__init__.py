@@ -1,0 +1,1 @@
+"""Process plumbing that the service and the facade share."""
