@@ -40,6 +40,7 @@ from facade.envoy_config import (
     FACADE_DIR,
     PICKER_CLUSTER,
     TRANSCODER,
+    grpc_cluster,
     http2_options,
     http_filters,
     replica_clusters,
@@ -358,26 +359,8 @@ def picker_endpoint(picker: PickerAddress) -> dict[str, Any]:
 def picker_cluster(picker: PickerAddress) -> dict[str, Any]:
     """The picker, reached over HTTP/2: beside Envoy on a Unix socket, or a shared one by its
     address (a name, such as a Kubernetes Service, resolved by DNS)."""
-    cluster: dict[str, Any] = {
-        "name": PICKER_CLUSTER,
-        "type": "STATIC",
-        "connect_timeout": "1s",
-        "typed_extension_protocol_options": {
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3."
-                "HttpProtocolOptions",
-                "explicit_http_config": {"http2_protocol_options": {}},
-            }
-        },
-        "load_assignment": {
-            "cluster_name": PICKER_CLUSTER,
-            "endpoints": [{"lb_endpoints": [{"endpoint": picker_endpoint(picker)}]}],
-        },
-    }
-    if not isinstance(picker, Path) and not is_ip_address(picker[0]):
-        cluster["type"] = "STRICT_DNS"
-        cluster["dns_lookup_family"] = "V4_PREFERRED"  # as --listen 0.0.0.0 serves
-    return cluster
+    by_name = not isinstance(picker, Path) and not is_ip_address(picker[0])
+    return grpc_cluster(PICKER_CLUSTER, picker_endpoint(picker), by_name)
 
 
 def picker_filter() -> dict[str, Any]:

@@ -52,3 +52,28 @@ def http2_options(cluster: dict[str, Any]) -> dict[str, Any]:
         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
     ]
     return protocol["explicit_http_config"]["http2_protocol_options"]
+
+
+def grpc_cluster(name: str, endpoint: dict[str, Any], by_name: bool) -> dict[str, Any]:
+    """A cluster of one gRPC server (HTTP/2) at `endpoint`; `by_name`: its address is a name,
+    resolved by DNS as facade/addresses.py resolves names."""
+    cluster: dict[str, Any] = {
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3."
+                "HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}},
+            }
+        },
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [{"lb_endpoints": [{"endpoint": endpoint}]}],
+        },
+    }
+    if by_name:
+        cluster["type"] = "STRICT_DNS"
+        cluster["dns_lookup_family"] = "V4_PREFERRED"
+    return cluster

@@ -29,8 +29,13 @@ from facade.render import (
     write_config,
 )
 from facade.tls import UpstreamTls, describe_tls, listener_tls
+from facade.tracing import apply_tracing
+from plumbing.tracing import ENDPOINT_ENV, tracing_settings
 from service.settings import TlsSettings
 from service.transport.open_files import raise_open_files_limit
+
+# Envoy's name in traces, unless OTEL_SERVICE_NAME names it.
+DEFAULT_TRACING_NAME = "llm-completions-envoy"
 
 
 def log(message: str) -> None:
@@ -116,11 +121,16 @@ def main() -> None:
     asks_shared_picker = affinity is not None and affinity.picker and args.picker is not None
     picker = (picker_tls, args.picker) if asks_shared_picker and picker_tls is not None else None
     apply_tls(config, listener, upstream, directory, picker)
+    tracing = tracing_settings(args.otlp_traces_endpoint, DEFAULT_TRACING_NAME)
+    if tracing is not None:
+        apply_tracing(config, tracing)
+        os.environ[ENDPOINT_ENV] = tracing.endpoint  # the picker started beside Envoy traces too
     command = envoy_command(write_config(config, directory), args.log_level, args.concurrency)
     log(
         f"REST and gRPC on {args.listen_host}:{args.http_port} ({describe_tls(listener)}) -> "
         f"replicas {fleet.upstreams} ({describe_tls(upstream)}), balanced by "
         + describe_balance(affinity, args.picker, picker_tls)
+        + ("" if tracing is None else f"; traces to {tracing.endpoint} as {tracing.service_name}")
     )
     if affinity is not None and affinity.picker and args.picker is None:
         start_picker(

@@ -19,6 +19,7 @@ from facade.render import (
     DEFAULT_MAX_REQUEST_BYTES,
 )
 from facade.tls import UpstreamTls, upstream_tls
+from plumbing.tracing import add_tracing_option
 from service.options import add_option, add_switch, at_least, one_of
 from service.settings import ServerSettings
 
@@ -288,4 +289,5 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     add_tls_options(parser)
     add_balance_options(parser)
     add_picker_option(parser)
+    add_tracing_option(parser)
     return parser

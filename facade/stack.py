@@ -86,7 +86,18 @@ class Stack:
         return [
             *(sys.executable, "-m", "facade.launch", "--upstream", self.grpc_target),
             *("--http-port", str(self.http_port), "--admin-port", str(self.admin_port)),
+            *self.tracing_args(),
         ]
+
+    def tracing_args(self) -> list[str]:
+        """The service's --otlp-traces-endpoint, for Envoy too (the environment variable
+        reaches both by itself)."""
+        for index, arg in enumerate(self.service_args):
+            flag, equals, value = arg.partition("=")
+            if flag == "--otlp-traces-endpoint":
+                value = value if equals else next(iter(self.service_args[index + 1 :]), "")
+                return [f"--otlp-traces-endpoint={value}"] if value else []
+        return []
 
     def service_popen_options(self) -> dict[str, Any]:
         return {}
