@@ -96,7 +96,7 @@ class ChatReplies:
     def with_timings(self, message: CreateChatCompletionResponse) -> CreateChatCompletionResponse:
         """The reply, or a stream's last chunk, with the request's timings."""
         assert self.timings is not None
-        message.metrics.CopyFrom(self.timings.reply())
+        message.metrics.CopyFrom(self.timings.reply(self.token_counts()[1]))
         return message
 
     def message(self, reply: dict[str, Any]) -> CreateChatCompletionResponse:

@@ -136,7 +136,7 @@ class CompletionHandler:
                     last = assembler.usage_chunk() if request.stream_options.include_usage else None
                     if metrics_asked:
                         last = last or header.message()
-                        last.metrics.CopyFrom(timings.reply())
+                        last.metrics.CopyFrom(timings.reply(assembler.completion_tokens))
                     if last is not None:
                         yield last
                 else:
@@ -148,7 +148,7 @@ class CompletionHandler:
                     if metrics_asked:
                         for _, result in outputs:
                             timings.observe(result)
-                        response.metrics.CopyFrom(timings.reply())
+                        response.metrics.CopyFrom(timings.reply(record.completion_tokens))
                     yield response
             except Exception:
                 call.check()  # a cancelled call's requests end early: what ends it is the cancel
