@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import statistics
@@ -54,6 +55,7 @@ from bench.servers import (
 )
 from bench.tiny_model import prepare_tiny_model, tiny_settings
 from bench.workloads import FULL, Workload
+from plumbing.tracing import ENDPOINT_ENV
 from service.model.default_model import prepare_default_model
 from service.model.placement import (
     ENGINE_CORE_NAME,
@@ -62,6 +64,7 @@ from service.model.placement import (
     confine_engine_core,
     threads,
 )
+from tests.otlp import OtlpReceiver
 
 # Concurrency 64, 256 prompts, 32 in / 128 out, streaming: where the serving path's cost shows.
 WORKLOAD = FRONTEND_HEAVY[0]
@@ -108,6 +111,8 @@ class Variant:
     peer_core_placed: bool = False
     # Ours with its engine-core process let run anywhere again, as vLLM leaves it.
     core_unplaced: bool = False
+    # Tracing on (the service's and Envoy's spans, and vLLM's), to a collector in this process.
+    tracing: bool = False
 
 
 def stream_interval(n: int) -> Variant:
@@ -128,6 +133,7 @@ VARIANTS: dict[str, Variant] = {
     "ENVOY_CONCURRENCY=1": Variant(env={"ENVOY_CONCURRENCY": "1"}),
     "vllm serve's engine core placed as ours": Variant(peer_core_placed=True),
     "engine core unplaced": Variant(core_unplaced=True),
+    "tracing on": Variant(tracing=True),
     # stream_interval: ours and vLLM's with the same N.
     "stream_interval 4": stream_interval(4),
     "stream_interval 16": stream_interval(16),
@@ -274,6 +280,15 @@ def measure_vllm(target: Target, variant: Variant) -> dict[str, Any]:
         server.stop()
 
 
+@functools.cache
+def tracing_env() -> dict[str, str]:
+    """Where `make serve` sends its traces: an OTLP receiver in this process, kept until the
+    end (it receives every span, as a collector would)."""
+    receiver = OtlpReceiver()
+    print(f"user path: traces to {receiver.endpoint}", flush=True)
+    return {ENDPOINT_ENV: receiver.endpoint}
+
+
 def measure_ours(target: Target, variant: Variant, log_path: Path) -> dict[str, Any]:
     model_dir, workload = target.model_dir, target.workload
     server: MakeServe | OurStack = (
@@ -283,7 +298,7 @@ def measure_ours(target: Target, variant: Variant, log_path: Path) -> dict[str, 
             model_dir,
             MODEL,
             variant.engine_args,
-            variant.env,
+            {**variant.env, **tracing_env()} if variant.tracing else variant.env,
             Path(os.devnull) if variant.output_discarded else log_path,
             variant.own_sessions,
         )
