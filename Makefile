@@ -38,12 +38,25 @@ serve: install
 	$(BIN)/python -m facade.stack
 
 # Unit tests first (seconds); a failure there stops before the stack starts.
-test: install
+test: install checkov
 	$(BIN)/python -m pytest -q $(UNIT_TESTS)
 	$(BIN)/python -m pytest tests --ignore=tests/unit
 
-unit: install
+unit: install checkov
 	$(BIN)/python -m pytest -q $(UNIT_TESTS)
+
+# checkov, for the Kubernetes checks of deploy/ (tests/unit/test_manifests.py), in a venv of
+# its own: its pins (packaging<24) conflict with the project's (pytest 9), so it cannot be a
+# dev extra. requirements/checkov.txt pins every package of that venv.
+CHECKOV_VENV := $(VENV)/tools/checkov
+.PHONY: checkov
+checkov: $(CHECKOV_VENV)/.installed
+
+$(CHECKOV_VENV)/.installed: requirements/checkov.txt
+	$(PYTHON) -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/pip install --quiet --upgrade pip
+	$(CHECKOV_VENV)/bin/pip install --quiet -r requirements/checkov.txt
+	touch $@
 
 # The side-by-side benchmark (about 25 minutes, then bench-frontend's and bench-burst's);
 # results in bench/results/.
