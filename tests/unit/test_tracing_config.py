@@ -73,3 +73,15 @@ def test_envoy_accepts_its_tracer_config(
         [*command, "--mode", "validate"], capture_output=True, text=True, timeout=60
     )
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_the_otlp_exporters_import() -> None:
+    """opentelemetry-proto's own files are installed (xds-protos ships an older copy of them,
+    which image/install.sh replaces): else every exporter, vLLM's too, fails to import and
+    vLLM's tracing stays silently off."""
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+        OTLPSpanExporter as OTLPHttpSpanExporter,
+    )
+
+    assert OTLPSpanExporter and OTLPHttpSpanExporter
