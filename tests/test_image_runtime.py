@@ -366,10 +366,22 @@ class Replica:
     directories: dict[str, int]  # directory_times() of the read-only places before it started
 
 
+def remove_made_by_user(directory: Path, since: float) -> None:
+    """What the image's user left in `directory` since then (a container's /tmp goes with it;
+    here the service's scratch directory, vLLM's sockets and Envoy's config would stay)."""
+    for leftover in made_by_user(directory, since):
+        path = Path(leftover)
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
 @pytest.fixture(scope="module")
 def rootfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rootfs]:
     python = interpreter()
     log = tmp_path_factory.mktemp("image") / "install.log"
+    started = time.time()
     with installed(python, log) as install:
         volume = new_directory("image-volume-", UID, 0o2775)  # as the Containerfile makes it
         home = new_directory("image-home-", 0, 0o755)
@@ -382,6 +394,7 @@ def rootfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rootfs]:
         finally:
             for path in (volume, home, bin_dir):
                 shutil.rmtree(path, ignore_errors=True)
+            remove_made_by_user(Path("/tmp"), started)
 
 
 @pytest.fixture(scope="module")
