@@ -488,11 +488,6 @@ def test_nothing_was_written_outside_the_volume_and_tmp(replica: Replica) -> Non
     assert [p for p in rootfs.volume.rglob("*") if p.lstat().st_uid != UID] == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="safetensors writes model.safetensors 0600 whatever the umask: "
-    "service/model/default_model.py's convert() should open it to the group",
-)
 def test_what_the_replica_made_in_the_volume_is_group_writable(replica: Replica) -> None:
     """The entrypoint's umask: another user id of group 0 (OpenShift gives each namespace its
     own) can reuse the volume's prepared model and caches."""

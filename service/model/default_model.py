@@ -101,6 +101,18 @@ def exclusive_lock(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def follow_umask(directory: Path) -> None:
+    """Gives every file in `directory` the mode a new file gets (safetensors writes its files
+    0600 whatever the umask): a volume shared by the user ids of one group (OpenShift's) can
+    then serve a model one of them prepared."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in directory.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            path.chmod(0o666 & ~umask)
+    directory.chmod(0o777 & ~umask)
+
+
 def convert(source: Path, target: Path, fingerprint: dict[str, object]) -> None:
     """Dequantize the GGUF into a float32 Hugging Face directory, written atomically."""
     import torch
@@ -130,6 +142,7 @@ def convert(source: Path, target: Path, fingerprint: dict[str, object]) -> None:
         model.save_pretrained(work, safe_serialization=True)
         tokenizer.save_pretrained(work)
         (work / COMPLETE_MARKER).write_text(json.dumps(fingerprint))
+        follow_umask(work)
         if target.exists():
             shutil.rmtree(target)
         work.rename(target)
