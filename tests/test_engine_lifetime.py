@@ -1,8 +1,8 @@
 """The engine's processes never outlive the server: killed outright (SIGKILL, as the OOM
 killer does) the server takes its engine core and workers with it and frees its port; stopped
-at any moment of its start, with SIGTERM or SIGKILL, it exits at once and leaves no process. (Started beside the
-session's engine with automatic binding, the service also warns that they share cores, and
-moves its engine core onto the cores vLLM bound its worker to.)"""
+at any moment of its start, with SIGTERM or SIGKILL, it exits at once and leaves no process.
+(Started beside the session's engine with automatic binding, the service also warns that they
+share cores, and moves its engine core onto the cores vLLM bound its worker to.)"""
 
 from __future__ import annotations
 

@@ -28,12 +28,15 @@ FIELDS = (
 
 
 def assert_consistent(
-    metrics: dict[str, Any], completion_tokens: int | None, wall_ms: float
+    metrics: dict[str, Any],
+    completion_tokens: int | None,
+    wall_ms: float,
+    fields: tuple[str, ...] = FIELDS,
 ) -> None:
     """Each part within the whole, the whole within what the caller waited, and the rate what
     the tokens (when known) and the time give."""
-    assert set(metrics) == set(FIELDS), metrics
-    assert all(metrics[name] >= 0 for name in FIELDS)
+    assert set(metrics) == set(fields), metrics
+    assert all(metrics[name] >= 0 for name in fields)
     total = metrics["total_time_ms"]
     assert total <= wall_ms
     in_engine = metrics["time_to_first_token_ms"] + metrics["generation_time_ms"]
@@ -126,3 +129,15 @@ def test_a_grpc_caller_asks_for_the_same_timings(
     assert reply.HasField("metrics")
     assert 0 < reply.metrics.total_time_ms <= wall_ms
     assert reply.metrics.tokens_per_second > 0
+
+
+def test_beam_search_is_timed_over_all_its_steps(rest: httpx.Client) -> None:
+    reply, wall_ms = timed_post(
+        rest,
+        "/v2/completions",
+        body(prompt="Beams", max_tokens=4, n=2, use_beam_search=True, return_metrics=True),
+    )
+    # Each step's engine requests generate one token: no time between two tokens of one.
+    single_steps = tuple(name for name in FIELDS if name != "mean_itl_ms")
+    tokens = reply["usage"]["completion_tokens"]
+    assert_consistent(reply["metrics"], tokens, wall_ms, single_steps)

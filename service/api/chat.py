@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 from llmcompletions.v2.completions_pb2 import (
@@ -38,9 +40,7 @@ from service.api.backlog import Backlog
 from service.api.cancellation import CancellableCall
 from service.api.chat_replies import ChatReplies, chat_error, error_from
 from service.api.chat_requests import validate_chat_request, vllm_request
-from service.api.engine_calls import CURRENT_CALL, EngineCall, ObservedEngine
 from service.api.errors import PriorityNotEnabledError
-from service.api.timings import RequestTimings
 from service.model.adapters import ModelCatalog
 from service.model.engine import ServedModel
 from service.settings import ChatSettings, RequestLimits
@@ -112,11 +112,13 @@ def chat_serving(model: ServedModel, settings: ChatSettings) -> CatalogChat:
         base_model_paths=[BaseModelPath(name=model.name, model_path=str(model.name))],
     )
     serving = CatalogChat(
-        ObservedEngine(engine),  # type: ignore[arg-type]  # the engine, with the call's context
+        engine,
         models,
         "assistant",
         online_renderer=renderer,
         enable_prompt_tokens_details=True,  # usage.prompt_tokens_details.cached_tokens
+        # vLLM's own timings of the request (`metrics`), kept when the caller asks for them.
+        enable_per_request_metrics=True,
         **common,
     )
     serving.catalog = model.catalog
@@ -151,19 +153,19 @@ class ChatHandler:
         engine_request = vllm_request(request, f"{record.request_id}-{uuid.uuid4().hex[:8]}")
         call.engine_prefix = f"{VLLM_CHAT_ID_PREFIX}{engine_request.request_id}"
         call.check()
-        timings = RequestTimings(received=record.started)
+        timed = self.always_metrics or request.return_metrics
         replies = ChatReplies(
             model=request.model,
             system_fingerprint=self.model.system_fingerprint,
             usage_asked=request.stream_options.include_usage,
-            timings=timings if self.always_metrics or request.return_metrics else None,
+            timed_since=record.started if timed else None,
         )
         # vLLM's chat serving renders and tokenizes the conversation itself, under this span.
         with child_span("render, tokenize and generate") as engine_span:
             # Each call runs in its own task, whose context ends with it: nothing to reset.
-            CURRENT_CALL.set(EngineCall(timings, outgoing_headers(engine_span)))
+            trace_headers = outgoing_headers(engine_span)
             try:
-                async for message in self.run(engine_request, replies):
+                async for message in self.run(engine_request, replies, trace_headers):
                     call.check()
                     yield message
                 call.check()
@@ -203,10 +205,16 @@ class ChatHandler:
         ]
 
     async def run(
-        self, request: ChatCompletionRequest, replies: ChatReplies
+        self,
+        request: ChatCompletionRequest,
+        replies: ChatReplies,
+        trace_headers: Mapping[str, str],
     ) -> AsyncIterator[CreateChatCompletionResponse]:
         try:
-            result = await self.serving.create_chat_completion(request)
+            result = await self.serving.create_chat_completion(
+                request,
+                traced_request(trace_headers),  # type: ignore[arg-type]
+            )
         except (QueueOverflowError, MaxQueuedTokensError) as error:
             raise self.backlog.refusal(error) from error
         except VLLMValidationError as error:
@@ -220,3 +228,17 @@ class ChatHandler:
             async for text in events:
                 for message in replies.events(text):
                     yield message
+
+
+@dataclass(frozen=True)
+class TracedRequest:
+    """What vLLM's chat serving reads of an HTTP request when given one: its headers, where it
+    finds the trace context its engine request continues (else, with tracing on, vLLM would
+    give the engine request's span to whatever trace its output task started in)."""
+
+    headers: Mapping[str, str]
+    state: SimpleNamespace = field(default_factory=SimpleNamespace)
+
+
+def traced_request(trace_headers: Mapping[str, str]) -> TracedRequest | None:
+    return TracedRequest(trace_headers) if trace_headers else None

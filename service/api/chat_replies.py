@@ -4,6 +4,7 @@ CreateChatCompletionResponse messages and the API's errors."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -22,7 +23,6 @@ from service.api.errors import (
     OverloadedError,
     RequestValidationError,
 )
-from service.api.timings import RequestTimings
 
 EVENT_PREFIX = "data: "
 DONE = "[DONE]"
@@ -66,13 +66,14 @@ class ChatReplies:
     model: str
     system_fingerprint: str
     usage_asked: bool  # a stream's usage chunk goes to the caller only if it asked
-    timings: RequestTimings | None = None  # the caller asked for the timings
+    # When the caller asked for its timings: the call's arrival (time.monotonic()).
+    timed_since: float | None = None
     usage: dict[str, Any] = field(default_factory=dict)
 
     def whole(self, reply: dict[str, Any]) -> CreateChatCompletionResponse:
         self.usage = reply.get("usage") or {}
         message = self.message(reply)
-        return message if self.timings is None else self.with_timings(message)
+        return message if self.timed_since is None else self.with_timings(message)
 
     def events(self, text: str) -> Iterator[CreateChatCompletionResponse]:
         """The messages of one or more `data: ...` events; an error event raises."""
@@ -86,7 +87,7 @@ class ChatReplies:
             if event.get("usage"):
                 self.usage = event["usage"]
                 if not event.get("choices"):  # the last event
-                    if self.timings is not None:
+                    if self.timed_since is not None:
                         yield self.with_timings(self.message(event))
                         continue
                     if not self.usage_asked:
@@ -94,9 +95,10 @@ class ChatReplies:
             yield self.message(event)
 
     def with_timings(self, message: CreateChatCompletionResponse) -> CreateChatCompletionResponse:
-        """The reply, or a stream's last chunk, with the request's timings."""
-        assert self.timings is not None
-        message.metrics.CopyFrom(self.timings.reply(self.token_counts()[1]))
+        """The reply, or a stream's last chunk, with the request's timings: vLLM's own (it
+        times a request of one choice) and the whole time on this replica."""
+        assert self.timed_since is not None
+        message.metrics.total_time_ms = (time.monotonic() - self.timed_since) * 1000
         return message
 
     def message(self, reply: dict[str, Any]) -> CreateChatCompletionResponse:
@@ -105,6 +107,8 @@ class ChatReplies:
             reply["system_fingerprint"] = self.system_fingerprint
         if not self.usage_asked and reply.get("object") == "chat.completion.chunk":
             reply.pop("usage", None)
+        if self.timed_since is None:
+            reply.pop("metrics", None)  # vLLM times every request; the caller did not ask
         for choice in reply.get("choices", ()):
             for part in ("message", "delta"):
                 said = choice.get(part)

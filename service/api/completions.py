@@ -23,6 +23,7 @@ from service.api.backlog import Backlog
 from service.api.beam_search import BeamSearchSettings, beam_search
 from service.api.cancellation import CancellableCall
 from service.api.constraints import constraint_field
+from service.api.engine_calls import CURRENT_CALL, EngineCall, ObservedEngine
 from service.api.errors import (
     CompletionError,
     ContextLengthError,
@@ -116,6 +117,9 @@ class CompletionHandler:
         timings = RequestTimings(received=record.started)
         metrics_asked = self.always_metrics or request.return_metrics
         with child_span("engine", **{"llm_completions.engine_requests": len(slots)}) as engine_span:
+            # For beam search's many engine requests (ObservedEngine). Each call runs in its own
+            # task, whose context ends with it: nothing to reset.
+            CURRENT_CALL.set(EngineCall(timings, outgoing_headers(engine_span)))
             try:
                 results = self.generate(
                     prepared,
@@ -286,8 +290,15 @@ class CompletionHandler:
         settings: BeamSearchSettings,
         adapter: LoRARequest | None,
     ) -> AsyncIterator[RequestOutput]:
+        # Every step's engine requests carry the call's trace context and report its timings.
+        engine = ObservedEngine(self.model.engine)
         yield await beam_search(
-            self.model.engine, self.model.tokenizer, prompt_ids, request_id, settings, adapter
+            engine,  # type: ignore[arg-type]  # the engine, with the call's context
+            self.model.tokenizer,
+            prompt_ids,
+            request_id,
+            settings,
+            adapter,
         )
 
 
