@@ -1,8 +1,10 @@
 """What the engine's requests of one call carry beyond their parameters: the call's trace
 context (vLLM's request span continues it) and its timings collector.
 
-The completion handler passes both to the engine itself; vLLM's chat serving calls the engine
-on its own, so it is given `ObservedEngine`, which adds them from the call's context.
+The completion handler passes both to the engine itself; beam search calls the engine on its
+own for every step, so it is given `ObservedEngine`, which adds them from the call's context.
+(vLLM's chat serving is given the engine itself: wrapped, its JSON-schema replies differed
+from `vllm serve`'s; it reads the trace context from the request's headers.)
 """
 
 from __future__ import annotations
