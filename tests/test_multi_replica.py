@@ -272,7 +272,7 @@ class Traffic:
 
 @dataclass
 class Sample:
-    at: float
+    at: float  # when the sample was complete
     serving: tuple[bool, ...]  # what each replica answers grpc.health.v1 Check
     healthy: tuple[bool, ...]  # whether Envoy has it in rotation
     routed: tuple[int, ...]  # requests Envoy has sent it (rq_total)
@@ -292,9 +292,12 @@ class Watcher:
         channels = [grpc.insecure_channel(replica.host) for replica in self.replicas]
         stubs = [health_pb2_grpc.HealthStub(channel) for channel in channels]
         while not self.done.is_set():
-            at = time.time()
             serving = tuple(self._serving(stub) for stub in stubs)
             hosts = self.hosts()
+            # Stamped once all is read: what a sample shows held by then. Stamped before, a
+            # sample of slow checks (a replica's server shares its core with its engine while
+            # that warms up) would date Envoy's view a second early.
+            at = time.time()
             views = [hosts.get(replica.host, {}) for replica in self.replicas]
             self.samples.append(
                 Sample(

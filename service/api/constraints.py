@@ -12,24 +12,16 @@ from outlines_core.json_schema import build_regex_from_schema
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import StructuredOutputsParams
 
+from service.api.caller_order import in_caller_order, restore_integers
+
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 JSON_RESPONSE_FORMATS = ("json_object", "json_schema")
 
 
 def json_value(message: struct_pb2.Struct) -> dict[str, Any]:
-    """A Struct as plain JSON. Struct stores every number as a double; whole numbers become
-    integers again, as schema keywords such as maxLength must be (and JSON does not tell)."""
-    return restore_integers(json_format.MessageToDict(message))
-
-
-def restore_integers(value: Any) -> Any:
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, dict):
-        return {key: restore_integers(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [restore_integers(item) for item in value]
-    return value
+    """A Struct of the request being served as plain JSON: whole numbers as integers again and
+    keys in the order its caller wrote them (service.api.caller_order)."""
+    return in_caller_order(restore_integers(json_format.MessageToDict(message)))
 
 
 # Both kinds of request carry the same guided_* and response_format fields.

@@ -29,6 +29,7 @@ from service.transport.call_backlog import call_backlog_options
 from service.transport.error_mapping import ErrorMappingInterceptor
 from service.transport.interception import StreamInterceptor
 from service.transport.keepalive import server_options
+from service.transport.key_order import KeyOrderInterceptor
 from service.transport.load_reports import LoadReports
 from service.transport.observability import serve_metrics, watch_backlog, watch_engine_gauges
 from service.transport.request_context import RequestContextInterceptor
@@ -127,7 +128,7 @@ def build_server(
     settings: ServerSettings, state: ServiceState, calls: CallTracker
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     server = grpc.aio.server(
-        interceptors=[calls, *interceptor_chain(settings, state)],
+        interceptors=[KeyOrderInterceptor(), calls, *interceptor_chain(settings, state)],
         options=[
             ("grpc.max_receive_message_length", settings.max_message_bytes),
             ("grpc.max_send_message_length", settings.max_message_bytes),
