@@ -3,8 +3,8 @@ context (vLLM's request span continues it) and its timings collector.
 
 The completion handler passes both to the engine itself; beam search calls the engine on its
 own for every step, so it is given `ObservedEngine`, which adds them from the call's context.
-(vLLM's chat serving is given the engine itself: wrapped, its JSON-schema replies differed
-from `vllm serve`'s; it reads the trace context from the request's headers.)
+(vLLM's chat serving needs neither: it reads the trace context from the request's headers and
+times its requests itself, so it is given the engine as it is.)
 """
 
 from __future__ import annotations
