@@ -29,12 +29,22 @@ import pytest
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from plumbing.tracing import ENDPOINT_ENV, PROTOCOL_ENV
 from tests.certificates import CertificateAuthority
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 # What an operator applies: deploy/ itself ("") and each overlay beside its base.
-OVERLAYS = ("", "no-tls", "cert-manager", "cpu", "monitoring", "autoscaling", "two-models")
+OVERLAYS = (
+    "",
+    "no-tls",
+    "cert-manager",
+    "cpu",
+    "monitoring",
+    "autoscaling",
+    "tracing",
+    "two-models",
+)
 # Directories that are parts of the overlays, not applied alone.
 PARTS = {"base", "model", "envoy", "policies", "components"}
 # The oldest Kubernetes these manifests are for, and the newest kubernetes-validate knows:
@@ -418,6 +428,44 @@ def test_an_operator_retags_every_image_in_one_place(tmp_path: Path) -> None:
     assert len(of_kind(composed_documents, "Certificate")) == 4  # the CA's and three
     (cpu_replicas,) = replica_deployments(composed_documents)
     assert "nvidia.com/gpu" not in pod_spec(cpu_replicas)["containers"][0]["resources"]["limits"]
+
+
+def tracing_environment(documents: list[Document], deployment: Document) -> dict[str, str]:
+    """What the tracing ConfigMap gives the deployment's process, through its envFrom."""
+    (source,) = pod_spec(deployment)["containers"][0]["envFrom"]
+    data: dict[str, str] = named(documents, "ConfigMap", source["configMapRef"]["name"])["data"]
+    return data
+
+
+def test_tracing_reaches_every_process_and_the_operator_sets_the_collector(
+    rendered: dict[str, list[Document]], tmp_path: Path
+) -> None:
+    """deploy/tracing: the replicas, Envoy and the picker read the collector's address from
+    the variable the programs read (plumbing.tracing), and an operator's own kustomization
+    changes it in one place (README "Deploy")."""
+    documents = rendered["tracing"]
+    apps = set()
+    for deployment in of_kind(documents, "Deployment"):
+        environment = tracing_environment(documents, deployment)
+        assert environment[ENDPOINT_ENV].startswith("http://"), environment
+        assert environment[PROTOCOL_ENV] == "grpc"
+        apps.add(pod_labels(deployment)["app"])
+    assert apps == {"llm-completions", "llm-completions-envoy", "llm-completions-picker"}
+    collector = "http://tempo.monitoring.svc:4317"
+    mine = {
+        "resources": ["tracing"],
+        "configMapGenerator": [
+            {
+                "name": "llm-completions-tracing",
+                "namespace": "llm-completions",
+                "behavior": "merge",
+                "literals": [f"{ENDPOINT_ENV}={collector}"],
+            }
+        ],
+    }
+    operators = render(operator_kustomization(tmp_path / "mine", mine))
+    for deployment in of_kind(operators, "Deployment"):
+        assert tracing_environment(operators, deployment)[ENDPOINT_ENV] == collector
 
 
 def load_probe() -> ModuleType:
