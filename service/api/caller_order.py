@@ -22,6 +22,9 @@ from typing import Any
 from google.protobuf.descriptor import Descriptor
 
 STRUCT = "google.protobuf.Struct"
+# JSON values (a prompt, stop strings) are not read again: no caller of `in_caller_order` asks
+# for an object inside one, and a prompt of token ids would cost a walk over every token.
+OPAQUE = frozenset({"google.protobuf.Value", "google.protobuf.ListValue"})
 VARINT, FIXED64, LENGTH_DELIMITED, FIXED32 = 0, 1, 2, 5
 
 # Each JSON object of the call's request, in its caller's order, by its content.
@@ -51,7 +54,10 @@ def content_key(value: dict[str, Any]) -> str:
 
 @cache
 def holds_objects(descriptor: Descriptor, seen: frozenset[str] = frozenset()) -> bool:
-    """Whether a message of this type can hold a Struct, at any depth."""
+    """Whether a message of this type can hold a Struct field, at any depth (JSON values not
+    counted)."""
+    if descriptor.full_name in OPAQUE:
+        return False
     for field in descriptor.fields:
         kind = field.message_type
         if kind is None or kind.full_name in seen:

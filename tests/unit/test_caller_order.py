@@ -125,6 +125,9 @@ def test_only_requests_that_can_hold_objects_are_read_again() -> None:
     assert holds_objects(CreateChatCompletionRequest.DESCRIPTOR)
     assert holds_objects(CreateCompletionRequest.DESCRIPTOR)
     assert not holds_objects(health_pb2.HealthCheckRequest.DESCRIPTOR)
+    # A prompt (a JSON value: text, or maybe 100k token ids) is not walked again.
+    assert not holds_objects(struct_pb2.Value.DESCRIPTOR)
+    assert not holds_objects(struct_pb2.ListValue.DESCRIPTOR)
 
 
 async def served_order(raw: bytes) -> list[Any]:
