@@ -37,10 +37,11 @@ serve: install
 	$(if $(MODEL),,$(BIN)/llm-completions prepare-model)
 	$(BIN)/python -m facade.stack
 
-# Unit tests first (seconds); a failure there stops before the stack starts.
+# Unit tests first (seconds); a failure there stops before the stack starts. The slowest tests
+# are listed at the end, to keep the suite's time in view.
 test: install checkov
 	$(BIN)/python -m pytest -q $(UNIT_TESTS)
-	$(BIN)/python -m pytest tests --ignore=tests/unit
+	$(BIN)/python -m pytest tests --ignore=tests/unit --durations=15
 
 unit: install checkov
 	$(BIN)/python -m pytest -q $(UNIT_TESTS)
