@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.resources
+import json
 
 import grpc
 import pytest
@@ -124,3 +125,34 @@ def test_clients_cancel_a_stream_by_its_request_id(stack: TestStack) -> None:
             return raised.value.code()
 
     assert asyncio.run(unknown()) == grpc.StatusCode.NOT_FOUND
+
+
+def test_json_objects_keep_the_callers_key_order(stack: TestStack) -> None:
+    """A schema's properties come back in the order the caller wrote them, as over REST:
+    the client writes each JSON object's keys in order (protobuf alone writes hash order)."""
+    # Five keys: 120 orders, so that the right one does not come by chance.
+    # (Bounded strings: the small model's integers can run past any token budget.)
+    short = {"type": "string", "maxLength": 20}
+    properties = {key: short for key in ("people", "city", "river", "country", "area")}
+    schema = {"type": "object", "properties": properties, "required": list(properties)}
+    with CompletionClient(stack.grpc_target, api_key=API_KEY) as client:
+        reply = client.chat(
+            model=MODEL,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            temperature=0,
+            max_completion_tokens=160,
+            response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}},
+        )
+        completion = client.complete(
+            model=MODEL,
+            prompt="A city as JSON: ",
+            max_tokens=160,
+            temperature=0,
+            guided_json=schema,
+        )
+    for text, finish_reason in (
+        (reply.choices[0].message.content, reply.choices[0].finish_reason),
+        (completion.choices[0].text, completion.choices[0].finish_reason),
+    ):
+        assert finish_reason == "stop", text
+        assert list(json.loads(text)) == list(properties)

@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 from google.protobuf import json_format, struct_pb2
 from grpc_health.v1 import health_pb2
+from llmcompletions.json_order import ordered_bytes, struct_bytes
 from llmcompletions.v2.completions_pb2 import (
     CreateChatCompletionRequest,
     CreateCompletionRequest,
@@ -34,50 +35,16 @@ SCHEMA: dict[str, Any] = {
 
 def in_order(value: dict[str, Any]) -> bytes:
     """A Struct's bytes with its entries, at every depth, in `value`'s order, as a runtime that
-    keeps JSON's order (or Envoy's transcoder) writes them."""
-    return b"".join(
-        length_delimited(1, entry(key, value_bytes(item))) for key, item in value.items()
-    )
-
-
-def entry(key: str, value: bytes) -> bytes:
-    """A map entry: the key (field 1) and the google.protobuf.Value (field 2)."""
-    return length_delimited(1, key.encode()) + length_delimited(2, value)
-
-
-def value_bytes(item: Any) -> bytes:
-    if isinstance(item, dict):
-        return length_delimited(5, in_order(item))  # Value.struct_value
-    if isinstance(item, list):  # Value.list_value, its values field 1
-        return length_delimited(6, b"".join(length_delimited(1, value_bytes(x)) for x in item))
-    return json_format.ParseDict(item, struct_pb2.Value()).SerializeToString()
-
-
-def length_delimited(number: int, payload: bytes) -> bytes:
-    return varint(number << 3 | 2) + varint(len(payload)) + payload
-
-
-def varint(number: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, number = number & 0x7F, number >> 7
-        out.append(byte | (0x80 if number else 0))
-        if not number:
-            return bytes(out)
+    keeps JSON's order (the Python client, or Envoy's transcoder) writes them."""
+    return struct_bytes(value)
 
 
 def chat_request_bytes(schema: dict[str, Any]) -> bytes:
     """A chat request with `schema` as its response format, entries in the schema's order."""
-    head = CreateChatCompletionRequest(model="m")
-    head.response_format.type = "json_schema"
-    head.response_format.json_schema.name = "city"
-    response_format = CreateChatCompletionRequest.DESCRIPTOR.fields_by_name["response_format"]
-    json_schema = response_format.message_type.fields_by_name["json_schema"]
-    struct = json_schema.message_type.fields_by_name["schema"]
-    nested = length_delimited(struct.number, in_order(schema))
-    nested = length_delimited(json_schema.number, nested)
-    # Concatenated messages merge: the schema joins the head's response format.
-    return head.SerializeToString() + length_delimited(response_format.number, nested)
+    response_format = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}
+    return ordered_bytes(
+        CreateChatCompletionRequest, {"model": "m", "response_format": response_format}
+    )
 
 
 def keys_at_every_depth(value: Any) -> list[Any]:

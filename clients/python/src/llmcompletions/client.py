@@ -39,7 +39,8 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf import json_format
 
-from llmcompletions.v2 import completions_pb2_grpc
+from llmcompletions.json_order import ordered_bytes
+from llmcompletions.v2 import completions_pb2, completions_pb2_grpc
 from llmcompletions.v2.completions_pb2 import (
     CancelCompletionRequest,
     CancelCompletionResponse,
@@ -50,6 +51,7 @@ from llmcompletions.v2.completions_pb2 import (
 )
 
 Metadata = Sequence[tuple[str, str]]
+SERVICE = completions_pb2.DESCRIPTOR.services_by_name["CompletionService"]
 DEFAULT_TIMEOUT_SECONDS = 300.0
 # gRPC clients accept 4 MiB messages by default; a whole reply may be as large as the server
 # sends (its --max-message-bytes, 16 MiB by default).
@@ -111,6 +113,28 @@ def built(empty: Request, given: Request | None, stream: bool, fields: dict[str,
     return empty
 
 
+def request_bytes(
+    message_type: type[Request], given: Request | None, stream: bool, fields: dict[str, Any]
+) -> bytes:
+    """What `built` serializes to. From fields alone, the JSON objects among them (a schema,
+    a tool's parameters) keep their keys' order (llmcompletions.json_order), which the
+    server's output follows; a ready-made request is sent as protobuf serializes it."""
+    if given is not None:
+        return built(message_type(), given, stream, fields).SerializeToString()
+    return ordered_bytes(message_type, {**fields, "stream": stream})
+
+
+def streaming(channel: Any, method: str) -> Any:
+    """The server-streaming `method` on `channel` (sync or asyncio), its request sent as the
+    bytes it is given (request_bytes), its replies parsed as the stub parses them."""
+    reply = getattr(completions_pb2, SERVICE.methods_by_name[method].output_type.name)
+    return channel.unary_stream(
+        f"/{SERVICE.full_name}/{method}",
+        request_serializer=None,
+        response_deserializer=reply.FromString,
+    )
+
+
 def call_metadata(api_key: str | None, metadata: Metadata) -> list[tuple[str, str]]:
     headers = list(metadata)
     if api_key is not None:
@@ -134,6 +158,8 @@ class CompletionClient:
             channel = grpc.secure_channel(target, tls.credentials(), options=CHANNEL_OPTIONS)
         self._channel = channel or grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._stub = completions_pb2_grpc.CompletionServiceStub(self._channel)
+        self._create_completion = streaming(self._channel, "CreateCompletion")
+        self._create_chat_completion = streaming(self._channel, "CreateChatCompletion")
         self._api_key = api_key
         self._timeout = timeout
 
@@ -146,8 +172,8 @@ class CompletionClient:
         **fields: Any,
     ) -> CreateCompletionResponse:
         """The whole completion (`stream` false): exactly one message."""
-        (response,) = self._stub.CreateCompletion(
-            build_request(request, stream=False, **fields),
+        (response,) = self._create_completion(
+            request_bytes(CreateCompletionRequest, request, False, fields),
             timeout=timeout or self._timeout,
             metadata=call_metadata(self._api_key, metadata),
         )
@@ -162,8 +188,8 @@ class CompletionClient:
         **fields: Any,
     ) -> Iterator[CreateCompletionResponse]:
         """Text deltas as they are generated (`stream` true)."""
-        yield from self._stub.CreateCompletion(
-            build_request(request, stream=True, **fields),
+        yield from self._create_completion(
+            request_bytes(CreateCompletionRequest, request, True, fields),
             timeout=timeout or self._timeout,
             metadata=call_metadata(self._api_key, metadata),
         )
@@ -177,8 +203,8 @@ class CompletionClient:
         **fields: Any,
     ) -> CreateChatCompletionResponse:
         """The whole chat reply (`stream` false): exactly one message."""
-        (response,) = self._stub.CreateChatCompletion(
-            build_chat_request(request, stream=False, **fields),
+        (response,) = self._create_chat_completion(
+            request_bytes(CreateChatCompletionRequest, request, False, fields),
             timeout=timeout or self._timeout,
             metadata=call_metadata(self._api_key, metadata),
         )
@@ -194,8 +220,8 @@ class CompletionClient:
     ) -> Iterator[CreateChatCompletionResponse]:
         """The reply's chunks as they are generated (`stream` true): the role first, then
         content and tool-call deltas, each choice's last with its finish_reason."""
-        yield from self._stub.CreateChatCompletion(
-            build_chat_request(request, stream=True, **fields),
+        yield from self._create_chat_completion(
+            request_bytes(CreateChatCompletionRequest, request, True, fields),
             timeout=timeout or self._timeout,
             metadata=call_metadata(self._api_key, metadata),
         )
@@ -248,6 +274,8 @@ class AsyncCompletionClient:
             channel = grpc.aio.secure_channel(target, tls.credentials(), options=CHANNEL_OPTIONS)
         self._channel = channel or grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._stub = completions_pb2_grpc.CompletionServiceStub(self._channel)
+        self._create_completion = streaming(self._channel, "CreateCompletion")
+        self._create_chat_completion = streaming(self._channel, "CreateChatCompletion")
         self._api_key = api_key
         self._timeout = timeout
 
@@ -262,7 +290,7 @@ class AsyncCompletionClient:
         messages = [
             message
             async for message in self.stream_messages(
-                build_request(request, stream=False, **fields), timeout, metadata
+                request_bytes(CreateCompletionRequest, request, False, fields), timeout, metadata
             )
         ]
         (response,) = messages
@@ -277,14 +305,14 @@ class AsyncCompletionClient:
         **fields: Any,
     ) -> AsyncIterator[CreateCompletionResponse]:
         async for message in self.stream_messages(
-            build_request(request, stream=True, **fields), timeout, metadata
+            request_bytes(CreateCompletionRequest, request, True, fields), timeout, metadata
         ):
             yield message
 
     def stream_messages(
-        self, request: CreateCompletionRequest, timeout: float | None, metadata: Metadata
+        self, request: bytes, timeout: float | None, metadata: Metadata
     ) -> AsyncIterator[CreateCompletionResponse]:
-        return self._stub.CreateCompletion(
+        return self._create_completion(
             request,
             timeout=timeout or self._timeout,
             metadata=call_metadata(self._api_key, metadata),
@@ -300,8 +328,8 @@ class AsyncCompletionClient:
     ) -> CreateChatCompletionResponse:
         (response,) = [
             message
-            async for message in self._stub.CreateChatCompletion(
-                build_chat_request(request, stream=False, **fields),
+            async for message in self._create_chat_completion(
+                request_bytes(CreateChatCompletionRequest, request, False, fields),
                 timeout=timeout or self._timeout,
                 metadata=call_metadata(self._api_key, metadata),
             )
@@ -316,8 +344,8 @@ class AsyncCompletionClient:
         metadata: Metadata = (),
         **fields: Any,
     ) -> AsyncIterator[CreateChatCompletionResponse]:
-        async for message in self._stub.CreateChatCompletion(
-            build_chat_request(request, stream=True, **fields),
+        async for message in self._create_chat_completion(
+            request_bytes(CreateChatCompletionRequest, request, True, fields),
             timeout=timeout or self._timeout,
             metadata=call_metadata(self._api_key, metadata),
         ):
