@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextvars import ContextVar
-from functools import cache
-from types import MappingProxyType
+from dataclasses import dataclass
+from functools import cache, cached_property
 from typing import Any
 
 from google.protobuf.descriptor import Descriptor
@@ -27,25 +27,43 @@ STRUCT = "google.protobuf.Struct"
 OPAQUE = frozenset({"google.protobuf.Value", "google.protobuf.ListValue"})
 VARINT, FIXED64, LENGTH_DELIMITED, FIXED32 = 0, 1, 2, 5
 
-# Each JSON object of the call's request, in its caller's order, by its content.
-_objects: ContextVar[Mapping[str, dict[str, Any]]] = ContextVar(
-    "caller_order", default=MappingProxyType({})
-)
+
+@dataclass
+class RequestBytes:
+    """The bytes of the call's request, read for its objects only when one is asked for: after
+    validation, which refuses an oversized object before it costs a walk here."""
+
+    raw: bytes
+    descriptor: Descriptor
+
+    @cached_property
+    def objects(self) -> dict[str, dict[str, Any]]:
+        """Each JSON object of the request, in its caller's order, by its content (objects of
+        the same content share the order of the last)."""
+        try:
+            return {
+                content_key(value): value for value in objects_on_wire(self.raw, self.descriptor)
+            }
+        except (ValueError, IndexError, struct.error, UnicodeDecodeError):
+            return {}  # bytes it cannot read leave the order unknown
+
+
+_request: ContextVar[RequestBytes | None] = ContextVar("caller_order", default=None)
 
 
 def remember(raw: bytes, descriptor: Descriptor) -> None:
-    """Keeps, for the call being served, the JSON objects of its request (`raw`, a message of
-    type `descriptor`) in their wire order. Bytes it cannot read leave the order unknown."""
-    try:
-        _objects.set({content_key(value): value for value in objects_on_wire(raw, descriptor)})
-    except (ValueError, IndexError, struct.error, UnicodeDecodeError):
-        _objects.set(MappingProxyType({}))
+    """Keeps the request of the call being served (`raw`, a message of type `descriptor`), for
+    `in_caller_order`."""
+    _request.set(RequestBytes(raw, descriptor))
 
 
 def in_caller_order(value: dict[str, Any]) -> dict[str, Any]:
     """`value`, a JSON object of the request being served, with its keys (at every depth) in
     the order its caller wrote them, when the request held it; else `value` itself."""
-    return _objects.get().get(content_key(value), value)
+    request = _request.get()
+    if request is None:
+        return value
+    return request.objects.get(content_key(value), value)
 
 
 def content_key(value: dict[str, Any]) -> str:
