@@ -30,9 +30,9 @@ from facade.render import (
 )
 from facade.tls import UpstreamTls, describe_tls, listener_tls
 from facade.tracing import apply_tracing
+from plumbing.open_files import raise_open_files_limit
+from plumbing.tls import TlsSettings
 from plumbing.tracing import ENDPOINT_ENV, tracing_settings
-from service.settings import TlsSettings
-from service.transport.open_files import raise_open_files_limit
 
 # Envoy's name in traces, unless OTEL_SERVICE_NAME names it.
 DEFAULT_TRACING_NAME = "llm-completions-envoy"

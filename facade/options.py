@@ -19,9 +19,9 @@ from facade.render import (
     DEFAULT_MAX_REQUEST_BYTES,
 )
 from facade.tls import UpstreamTls, upstream_tls
+from plumbing.options import add_option, add_switch, at_least, one_of
+from plumbing.ports import DEFAULT_GRPC_PORT
 from plumbing.tracing import add_tracing_option
-from service.options import add_option, add_switch, at_least, one_of
-from service.settings import ServerSettings
 
 DEFAULT_DISCOVERY_TIMEOUT = 1800.0  # pools may still be loading large models
 positive_int = at_least(1)
@@ -48,7 +48,7 @@ def fleet_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Fle
         pools = args.pool or [
             parse_pool(text, parse_address) for text in os.environ.get("POOLS", "").split()
         ]
-        grpc_port = os.environ.get("GRPC_PORT") or ServerSettings.port
+        grpc_port = os.environ.get("GRPC_PORT") or DEFAULT_GRPC_PORT
         upstreams = args.upstream or [parse_address(f"127.0.0.1:{grpc_port}")]
     except argparse.ArgumentTypeError as error:
         parser.error(f"POOLS or GRPC_PORT: {error}")

@@ -15,7 +15,7 @@ from llmcompletions.v2.completions_pb2 import ListModelsRequest, ListModelsRespo
 
 from facade.tls import UpstreamTls, grpc_channel
 
-# Envoy passes the endpoint's listing in endpoint_models.ENDPOINT_MODELS_HEADER, base64.
+# Envoy passes the endpoint's listing in plumbing.headers.ENDPOINT_MODELS_HEADER, base64.
 # A gRPC server refuses request metadata past 8 KiB by default; the listing stays well inside.
 MAX_LISTING_HEADER_BYTES = 6 * 1024
 DISCOVERY_POLL_SECONDS = 2.0

@@ -39,8 +39,8 @@ from facade.tls import (
     named_server_transport_socket,
     upstream_transport_socket,
 )
-from service.settings import TlsSettings
-from service.transport.endpoint_models import ENDPOINT_MODELS_HEADER
+from plumbing.headers import ENDPOINT_MODELS_HEADER, MAX_REPLY_HEADER
+from plumbing.tls import TlsSettings
 
 ENVOY_TEMPLATE = FACADE_DIR.parent / "envoy.yaml"
 LUA_FILE = FACADE_DIR / "completions.lua"
@@ -54,7 +54,6 @@ DEFAULT_ADMIN_PORT: int = TEMPLATE["admin"]["address"]["socket_address"]["port_v
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 # A whole JSON reply: room for the JSON of the largest gRPC message (16 MiB by default).
 DEFAULT_MAX_REPLY_BYTES = 64 * 1024 * 1024
-MAX_REPLY_HEADER = "x-max-reply-bytes"
 # Open files Envoy keeps for itself (upstream connections, its config and logs), and the fewest
 # downstream connections it is given whatever the limit.
 OPEN_FILES_RESERVED = 1024

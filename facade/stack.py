@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from facade.render import DEFAULT_ADMIN_PORT, DEFAULT_HTTP_PORT
 from facade.tls import UpstreamTls, grpc_channel, upstream_tls_from_env
-from service.settings import ServerSettings
+from plumbing.ports import DEFAULT_GRPC_PORT
 
 STOP_TIMEOUT_SECONDS = 40.0
 
@@ -37,7 +37,7 @@ class StackError(RuntimeError):
 class Stack:
     """The service and Envoy as child processes."""
 
-    grpc_port: int = ServerSettings.port
+    grpc_port: int = DEFAULT_GRPC_PORT
     http_port: int = DEFAULT_HTTP_PORT
     admin_port: int = DEFAULT_ADMIN_PORT
     service_args: Sequence[str] = ()
@@ -195,7 +195,7 @@ def interrupt(signum: int, frame: object) -> None:
 def main() -> None:
     # Ports as the service and the launcher read them: from their environment variables.
     stack = Stack(
-        grpc_port=int(os.environ.get("GRPC_PORT") or ServerSettings.port),
+        grpc_port=int(os.environ.get("GRPC_PORT") or DEFAULT_GRPC_PORT),
         http_port=int(os.environ.get("HTTP_PORT") or DEFAULT_HTTP_PORT),
         admin_port=int(os.environ.get("ENVOY_ADMIN_PORT") or DEFAULT_ADMIN_PORT),
         service_args=sys.argv[1:],

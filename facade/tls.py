@@ -21,8 +21,7 @@ import grpc
 import yaml
 
 from facade.addresses import canonical_ip, is_ip_address
-from service.settings import TlsSettings
-from service.transport.tls import CertificateError, absolute, tls_settings
+from plumbing.tls import CertificateError, TlsSettings, absolute, tls_settings
 
 TLS_SOCKET = "envoy.transport_sockets.tls"
 TLS_TYPES = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3."

@@ -71,13 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from plumbing.open_files import raise_open_files_limit
+    from plumbing.tls import CertificateError
     from service.api.chat import ChatSettingsError, check_chat_settings
     from service.model.adapters import AdapterError, check_adapters
     from service.model.default_model import model_directory
     from service.model.placement import PlacementError, binding
-    from service.transport.open_files import raise_open_files_limit
     from service.transport.server import serve
-    from service.transport.tls import CertificateError
 
     try:
         engine = engine_settings(args)

@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from plumbing.keepalive import KeepaliveSettings
+from plumbing.ports import DEFAULT_GRPC_PORT
+from plumbing.tls import TlsSettings
 from plumbing.tracing import TracingSettings
 
 
@@ -51,6 +54,9 @@ class EngineSettings:
     lora_modules: tuple[LoraModule, ...] = ()
     max_loras: int = 1  # adapters in one batch
     max_lora_rank: int = 16  # the largest adapter rank the engine accepts
+    # The log-probabilities a request may ask for per step (None: vLLM's default); the API's
+    # requests need service.api.validation.ENGINE_MAX_LOGPROBS.
+    max_logprobs: int | None = None
     extra_engine_args: dict[str, Any] = field(default_factory=dict)
     # vLLM's request spans (`llm_request`) go here; None: no tracing.
     otlp_traces_endpoint: str | None = None
@@ -65,36 +71,6 @@ class RequestLimits:
     max_prompt_tokens: int = 65536  # over all prompts; each must also fit the context
     max_constraint_bytes: int = 65536  # guided_json/schema, regex, grammar, choices, stop
     max_logit_bias: int = 1024
-
-
-@dataclass(frozen=True)
-class KeepaliveSettings:
-    """HTTP/2 keepalive on the gRPC listener: the server's own pings, and the callers' pings
-    it accepts (README "Transport" says why each default is what it is)."""
-
-    # A connection the caller has sent nothing on for this long gets a ping from the server...
-    time_seconds: float = 30.0
-    # ...and is closed, its calls cancelled, when the ping is not answered within this.
-    timeout_seconds: float = 20.0
-    # Callers' pings closer together than this count as strikes...
-    min_ping_interval_seconds: float = 5.0
-    # ...and past this many strikes the server ends the connection (GOAWAY too_many_pings).
-    # 0: never; a caller's keepalive is never held against it.
-    max_ping_strikes: int = 0
-
-
-@dataclass(frozen=True)
-class TlsSettings:
-    """TLS on the gRPC listener; with a client CA, callers must present a certificate it
-    signed (mutual TLS). The files are read again when they change on disk."""
-
-    cert_file: Path
-    key_file: Path
-    client_ca_file: Path | None = None
-
-    @property
-    def mutual(self) -> bool:
-        return self.client_ca_file is not None
 
 
 @dataclass(frozen=True)
@@ -116,7 +92,7 @@ class ServerSettings:
     """Where and how the gRPC server listens."""
 
     host: str = "127.0.0.1"
-    port: int = 50051
+    port: int = DEFAULT_GRPC_PORT
     shutdown_grace_seconds: float = 30.0
     drain_delay_seconds: float = 0.0  # behind a balancer: serve on while it notices NOT_SERVING
     # Once the requests are done, the engine gets this long to exit before its processes are

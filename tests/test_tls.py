@@ -32,7 +32,7 @@ from facade import render
 from facade.balancing import PrefixAffinity
 from facade.pools import Pool
 from facade.tls import UpstreamTls
-from service.settings import TlsSettings
+from plumbing.tls import TlsSettings
 from tests.certificates import CertificateAuthority, KeyPair
 from tests.conftest import ENGINE_START_TIMEOUT, MODEL, SMALL_ENGINE
 from tests.helpers import CAPITAL_PROMPT, body, grpc_request

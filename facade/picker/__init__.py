@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 
-from service.model.lifetime import signal_on_parent_death
+from plumbing.lifetime import signal_on_parent_death
 
 # gRPC metadata of Envoy's call to the picker (set per route): the cluster the request goes to.
 CLUSTER_METADATA = "x-picker-cluster"

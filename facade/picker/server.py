@@ -60,6 +60,10 @@ from facade.picker.protocol import (
 )
 from facade.render import keyed_clusters
 from facade.tls import describe_tls, listener_tls
+from plumbing.call_backlog import call_backlog_options
+from plumbing.keepalive import KeepaliveSettings, server_options
+from plumbing.options import add_option, one_of
+from plumbing.tls import TlsSettings, server_credentials
 from plumbing.tracing import (
     add_tracing_option,
     incoming_context,
@@ -67,11 +71,6 @@ from plumbing.tracing import (
     tracer,
     tracing_settings,
 )
-from service.options import add_option, one_of
-from service.settings import KeepaliveSettings, TlsSettings
-from service.transport.call_backlog import call_backlog_options
-from service.transport.keepalive import server_options
-from service.transport.tls import server_credentials
 
 # The endpoint picker protocol's health services (grpc.health.v1): alive while it answers,
 # ready (and its processor too) once it has a view of the replicas; "" as ready.

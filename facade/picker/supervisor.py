@@ -15,7 +15,7 @@ import threading
 import time
 from types import FrameType
 
-from service.model.lifetime import signal_on_parent_death
+from plumbing.lifetime import signal_on_parent_death
 
 # A picker that ran this long before exiting is restarted at once; one that exits sooner
 # waits, twice as long each time up to the maximum, so a picker that cannot start does not

@@ -37,14 +37,15 @@ from vllm.tool_parsers import ToolParserManager
 
 from plumbing.tracing import annotate_call, child_span, outgoing_headers
 from service.api.backlog import Backlog
+from service.api.call_record import CallRecord
 from service.api.cancellation import CancellableCall
 from service.api.chat_replies import ChatReplies, chat_error, error_from
 from service.api.chat_requests import validate_chat_request, vllm_request
+from service.api.endpoint_models import adapter_for
 from service.api.errors import PriorityNotEnabledError
 from service.model.adapters import ModelCatalog
 from service.model.engine import ServedModel
 from service.settings import ChatSettings, RequestLimits
-from service.transport.observability import RequestRecord
 
 # vLLM's chat serving names its engine requests "chatcmpl-" and the request's request_id.
 VLLM_CHAT_ID_PREFIX = "chatcmpl-"
@@ -86,7 +87,7 @@ class CatalogChat(OpenAIServingChat):
     def _maybe_get_adapters(
         self, request: Any, supports_default_mm_loras: bool = False
     ) -> LoRARequest | None:
-        return self.catalog.resolve(request.model)
+        return adapter_for(self.catalog, request.model)
 
 
 def chat_serving(model: ServedModel, settings: ChatSettings) -> CatalogChat:
@@ -143,7 +144,7 @@ class ChatHandler:
         self.serving = chat_serving(model, settings)
 
     async def complete(
-        self, request: CreateChatCompletionRequest, record: RequestRecord, call: CancellableCall
+        self, request: CreateChatCompletionRequest, record: CallRecord, call: CancellableCall
     ) -> AsyncIterator[CreateChatCompletionResponse]:
         """Yield the one whole reply, or the stream chunks; raise CompletionError (and
         RequestCancelledError once `call` is cancelled)."""
@@ -183,7 +184,7 @@ class ChatHandler:
         )
         if request.priority and self.model.scheduling_policy != "priority":
             raise PriorityNotEnabledError(request.priority)
-        adapter = self.model.catalog.resolve(request.model)  # 404 unless served
+        adapter = adapter_for(self.model.catalog, request.model)  # 404 unless served
         if adapter is not None:
             annotate_call(**{"llm_completions.adapter": adapter.lora_name})
         self.backlog.check(request.n if request.HasField("n") else 1)
@@ -193,7 +194,7 @@ class ChatHandler:
         validate_chat_request(
             request, self.model.vocab_size, self.model.structured_outputs_backend, self.limits
         )
-        self.model.catalog.resolve(request.model)  # 404 unless served
+        adapter_for(self.model.catalog, request.model)  # 404 unless served
         rendered = await self.serving.online_renderer.render_chat(vllm_request(request, "tokenize"))
         if isinstance(rendered, ErrorResponse):
             raise error_from(rendered)

@@ -21,8 +21,10 @@ from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 from plumbing.tracing import annotate_call, child_span, outgoing_headers
 from service.api.backlog import Backlog
 from service.api.beam_search import BeamSearchSettings, beam_search
+from service.api.call_record import CallRecord
 from service.api.cancellation import CancellableCall
 from service.api.constraints import constraint_field
+from service.api.endpoint_models import adapter_for
 from service.api.engine_calls import CURRENT_CALL, EngineCall, ObservedEngine
 from service.api.errors import (
     CompletionError,
@@ -55,7 +57,6 @@ from service.api.timings import RequestTimings
 from service.api.validation import check_prompt_tokens, validate_request
 from service.model.engine import ServedModel
 from service.settings import RequestLimits
-from service.transport.observability import RequestRecord
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ class CompletionHandler:
     async def complete(
         self,
         request: CreateCompletionRequest,
-        record: RequestRecord,
+        record: CallRecord,
         call: CancellableCall,
     ) -> AsyncIterator[CreateCompletionResponse]:
         """Yield the one whole response, or the stream chunks; raise CompletionError (and
@@ -170,7 +171,7 @@ class CompletionHandler:
         )
         if request.priority and self.model.scheduling_policy != "priority":
             raise PriorityNotEnabledError(request.priority)
-        adapter = self.model.catalog.resolve(request.model)  # 404 for a model not served
+        adapter = adapter_for(self.model.catalog, request.model)  # 404 for a model not served
         add_special_tokens = (
             request.add_special_tokens if request.HasField("add_special_tokens") else True
         )

@@ -1,5 +1,6 @@
 """Errors a completion request can end with: a gRPC code, a message and, for validation,
-the fields at fault. How they reach REST callers is `service.transport.rest_bridge`'s business.
+the fields at fault, and the HTTP status each code has for REST callers (the API's error
+table). How they reach REST callers is `service.transport.rest_bridge`'s business.
 
 Messages and field descriptions are bounded: a value quoted from the request is clipped
 (`quote`), and every message is cut to a byte budget, whatever produced it (our validation,
@@ -31,6 +32,24 @@ MAX_SERVED_NAMES_BYTES = 160
 ELLIPSIS = "…"
 
 Loc = tuple[str | int, ...]
+
+# gRPC code -> HTTP status, the API's error table (docs/api.md, "Errors").
+HTTP_STATUS: dict[grpc.StatusCode, int] = {
+    grpc.StatusCode.INVALID_ARGUMENT: 422,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+
+
+def http_status(code: grpc.StatusCode) -> int:
+    return HTTP_STATUS.get(code, 500)
 
 
 def clip(text: str, max_bytes: int) -> str:

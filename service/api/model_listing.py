@@ -15,6 +15,7 @@ from llmcompletions.v2.completions_pb2 import (
     Model,
 )
 
+from service.api.endpoint_models import adapter_for
 from service.model.engine import ServedModel
 
 OWNED_BY = "llm-completions"
@@ -33,7 +34,7 @@ class ModelListing:
         return Model(**self.described(name))
 
     def info(self, name: str) -> GetModelInfoResponse:
-        self.model.catalog.resolve(name)  # 404 unless served
+        adapter_for(self.model.catalog, name)  # 404 unless served
         defaults = struct_pb2.Struct()
         defaults.update(self.model.default_sampling)
         return GetModelInfoResponse(

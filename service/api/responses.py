@@ -22,10 +22,9 @@ from vllm.sampling_params import SamplingParams
 from vllm.tokenizers import TokenizerLike
 
 from service.api.beam_search import BeamSearchSettings
-from service.api.errors import CompletionError, utc_timestamp
+from service.api.errors import CompletionError, http_status, utc_timestamp
 from service.api.logprobs import StepLogprobs, next_offset, prompt_logprobs, token_logprobs
 from service.api.prompts import PreparedPrompt
-from service.transport.rest_bridge import http_status
 
 OBJECT_TYPE = "text_completion"
 

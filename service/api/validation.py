@@ -66,6 +66,9 @@ NUMERIC_RANGES = {
     if name not in ("best_of", "logit_bias")
 }
 MAX_BEST_OF = int(DECLARED_RANGES["best_of"][1].value)  # type: ignore[union-attr]
+# The log-probabilities per step the engine must allow: beam search asks each step for
+# 2 x width of them (vLLM's default cap is 20).
+ENGINE_MAX_LOGPROBS = 2 * MAX_BEST_OF
 LOGIT_BIAS_RANGE = DECLARED_RANGES["logit_bias"]
 
 

@@ -14,10 +14,8 @@ from vllm.config.lora import MaxLoRARanks
 from vllm.lora.request import LoRARequest
 from vllm.v1.engine.async_llm import AsyncLLM
 
-from service.api.errors import ModelNotFoundError, quote
 from service.model import cpu_lora_fix
 from service.settings import EngineSettings, LoraModule
-from service.transport import endpoint_models
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
@@ -36,6 +34,14 @@ ARCHITECTURE_KEYS = (
 
 class AdapterError(Exception):
     """An adapter that cannot be served; the message, one line, names it."""
+
+
+class UnknownModelError(LookupError):
+    """A name that is neither the base model's nor an adapter's."""
+
+
+def quote(name: str) -> str:
+    return f"`{name}`"
 
 
 @dataclass(frozen=True)
@@ -58,7 +64,7 @@ class ModelCatalog:
             return self.base_adapter
         if requested in self.adapters:
             return self.adapters[requested]
-        raise ModelNotFoundError(requested, endpoint_models.served_names(self.names))
+        raise UnknownModelError(requested)
 
     def engine_adapters(self) -> list[LoRARequest]:
         """Every adapter the engine loads, the stand-in for the base model included."""

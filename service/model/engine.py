@@ -17,7 +17,6 @@ from vllm.tokenizers import TokenizerLike
 from vllm.usage.usage_lib import UsageContext
 from vllm.v1.engine.async_llm import AsyncLLM
 
-from service.api.validation import MAX_BEST_OF
 from service.model.adapters import ModelCatalog, build_catalog
 from service.model.capacity import Capacity, resolve_capacity
 from service.model.default_model import model_directory
@@ -86,8 +85,6 @@ def engine_args(
         "dtype": resolve_dtype(settings.dtype),
         # torch.compile costs minutes at start on a CPU and buys little there.
         "enforce_eager": current_platform.is_cpu(),
-        # Beam search asks each step for 2 x width log-probabilities (vLLM's default cap is 20).
-        "max_logprobs": 2 * MAX_BEST_OF,
         # Stats feed vLLM's Prometheus metrics (vllm:*), served with ours.
         "disable_log_stats": False,
         # vLLM runs one structured-output backend per engine; requests may only name it.
@@ -102,6 +99,8 @@ def engine_args(
         "max_num_queued_tokens": settings.max_num_queued_tokens,
     }
     args.update({name: value for name, value in batch.items() if value is not None})
+    if settings.max_logprobs is not None:
+        args["max_logprobs"] = settings.max_logprobs
     args.update(
         tensor_parallel_size=settings.tensor_parallel_size,
         pipeline_parallel_size=settings.pipeline_parallel_size,

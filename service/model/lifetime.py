@@ -22,13 +22,14 @@ that any other program using vLLM is left as it is.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import multiprocessing
 import os
 import signal
 import sys
 from pathlib import Path
+
+from plumbing.lifetime import PR_SET_PDEATHSIG, signal_on_parent_death
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,6 @@ ENGINE_PARENT_ENV = "LLM_COMPLETIONS_SERVER_PID"
 # The launcher's path, and the pid of the process whose children it is starting.
 LAUNCHER_ENV = "LLM_COMPLETIONS_ENGINE_LAUNCHER"
 SPAWNER_ENV = "LLM_COMPLETIONS_SPAWNER_PID"
-PR_SET_PDEATHSIG = 1
 RESOURCE_TRACKER = "multiprocessing.resource_tracker"
 
 # Run as `launcher ARGS...` in place of `python ARGS...`; -I -S keep its own start to a few ms.
@@ -88,14 +88,6 @@ def tie_spawned_processes() -> None:
 def is_engine_process() -> bool:
     server_pid = os.environ.get(ENGINE_PARENT_ENV)
     return server_pid is not None and server_pid != str(os.getpid())
-
-
-def signal_on_parent_death(signum: int) -> str | None:
-    """Asks Linux to send this process `signum` when its parent dies; the error, if refused."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0) != 0:
-        return os.strerror(ctypes.get_errno())
-    return None
 
 
 def die_with_parent() -> None:

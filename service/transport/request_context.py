@@ -1,7 +1,7 @@
 """The outermost interceptor: every call gets a request id and a record (and, with tracing on,
 a span), and is counted and logged once with its true final status, whether it was served,
 refused or expired. It also
-binds what the facade passed about the endpoint's models (`service.transport.endpoint_models`)."""
+binds what the facade passed about the endpoint's models (`service.api.endpoint_models`)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ import grpc
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
-from service.transport import endpoint_models
+from service.api import endpoint_models
 from service.transport.call_tracing import start_call_span
+from service.transport.endpoint_header import passed_listing
 from service.transport.interception import StreamBehaviour, StreamInterceptor
 from service.transport.observability import IN_FLIGHT, RequestRecord
 
@@ -81,7 +82,7 @@ class RequestContextInterceptor(StreamInterceptor):
         record = self.record(method, request, context)
         token = _current.set(record)
         span = start_call_span(method, record, context) if self._traced else None
-        endpoint = endpoint_models.bind(context)
+        endpoint = endpoint_models.bind(passed_listing(context))
         code = "UNKNOWN"
         IN_FLIGHT.inc()
         try:

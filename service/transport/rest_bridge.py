@@ -17,18 +17,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 from google.protobuf import json_format
 from google.protobuf.message import Message
 from llmcompletions.v2.completions_pb2 import CreateCompletionResponse
 
-from service.api.errors import CompletionError, ReplyTooLargeError
+from plumbing.headers import MAX_REPLY_HEADER
+from service.api.errors import CompletionError, ReplyTooLargeError, http_status
 
 Metadata = Sequence[tuple[str, str | bytes]]
 
 # Envoy's transcoder sets this on every request it transcodes from REST.
 TRANSCODED_MARKER = "x-envoy-original-path"
-MAX_REPLY_HEADER = "x-max-reply-bytes"
 FRAMING_HEADER = "x-response-framing"
 HTTP_STATUS_HEADER = "x-http-status"
 ERROR_BODY_HEADER = "x-error-body"
@@ -37,26 +36,9 @@ END_OF_EVENTS = CreateCompletionResponse()
 # matches these exact bytes.
 END_OF_EVENTS_EVENT = b'data: {"choices":[]}\n\n'
 
-# gRPC code -> HTTP status, the API's error table (docs/api.md, "Errors").
-HTTP_STATUS: dict[grpc.StatusCode, int] = {
-    grpc.StatusCode.INVALID_ARGUMENT: 422,
-    grpc.StatusCode.OUT_OF_RANGE: 400,
-    grpc.StatusCode.FAILED_PRECONDITION: 400,
-    grpc.StatusCode.UNAUTHENTICATED: 401,
-    grpc.StatusCode.PERMISSION_DENIED: 403,
-    grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.CANCELLED: 499,
-    grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-}
 # A non-streamed reply this much smaller than the limit cannot print past it as JSON: the
 # transcoder's JSON is at most a few times the protobuf size for these messages.
 SAFE_JSON_EXPANSION = 16
-
-
-def http_status(code: grpc.StatusCode) -> int:
-    return HTTP_STATUS.get(code, 500)
 
 
 def error_body(error: CompletionError) -> dict[str, Any]:

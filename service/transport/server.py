@@ -13,6 +13,9 @@ from grpc_reflection.v1alpha import reflection
 from llmcompletions.v2 import completions_pb2, completions_pb2_grpc
 from vllm.utils.gc_utils import freeze_gc_heap
 
+from plumbing.call_backlog import call_backlog_options
+from plumbing.keepalive import server_options
+from plumbing.tls import server_credentials
 from plumbing.tracing import flush_tracing, start_tracing
 from service.api.backlog import Backlog
 from service.api.cancellation import Cancellations
@@ -25,16 +28,13 @@ from service.model.engine import ServedModel, start_engine
 from service.model.load import LoadSnapshot
 from service.settings import EngineSettings, ServerSettings
 from service.transport.auth import ApiKeyInterceptor
-from service.transport.call_backlog import call_backlog_options
 from service.transport.error_mapping import ErrorMappingInterceptor
 from service.transport.interception import StreamInterceptor
-from service.transport.keepalive import server_options
 from service.transport.key_order import KeyOrderInterceptor
 from service.transport.load_reports import LoadReports
 from service.transport.observability import serve_metrics, watch_backlog, watch_engine_gauges
 from service.transport.request_context import RequestContextInterceptor
 from service.transport.servicer import CompletionServicer, Serving
-from service.transport.tls import server_credentials
 
 logger = logging.getLogger(__name__)
 

@@ -28,13 +28,13 @@ from llmcompletions.v2.completions_pb2 import (
     TokenizeResponse,
 )
 
+from service.api import endpoint_models
 from service.api.cancellation import Cancellations
 from service.api.chat import ChatHandler
 from service.api.completions import CompletionHandler
 from service.api.errors import EngineUnavailableError
 from service.api.model_listing import ModelListing
 from service.api.tokenization import Tokenization
-from service.transport import endpoint_models
 from service.transport.request_context import current_record
 
 

@@ -13,11 +13,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from vllm.lora.request import LoRARequest
 
+from service.api.endpoint_models import adapter_for
 from service.api.errors import MAX_MESSAGE_BYTES, ModelNotFoundError
 from service.model import cpu_lora_fix
 from service.model.adapters import (
     AdapterError,
     ModelCatalog,
+    UnknownModelError,
     build_catalog,
     check_adapters,
     lora_requests,
@@ -80,8 +82,10 @@ def test_the_base_name_runs_with_the_stand_in_when_there_is_one() -> None:
 
 
 def test_an_unknown_name_is_not_found_listing_the_served_names() -> None:
-    with pytest.raises(ModelNotFoundError) as caught:
+    with pytest.raises(UnknownModelError):
         catalog("sql", "chat").resolve("nope")
+    with pytest.raises(ModelNotFoundError) as caught:
+        adapter_for(catalog("sql", "chat"), "nope")
     assert caught.value.message == (
         f"The model `nope` does not exist; the served models are `{BASE}`, `sql`, `chat`."
     )
@@ -90,7 +94,7 @@ def test_an_unknown_name_is_not_found_listing_the_served_names() -> None:
 def test_the_not_found_message_stays_bounded_with_many_adapters() -> None:
     names = [f"adapter-{index:04d}" for index in range(2000)]
     with pytest.raises(ModelNotFoundError) as caught:
-        catalog(*names).resolve("x" * 10_000)
+        adapter_for(catalog(*names), "x" * 10_000)
     message = caught.value.message
     assert len(message.encode()) <= MAX_MESSAGE_BYTES
     assert f"`{BASE}`" in message and "more" in message

@@ -1,4 +1,4 @@
-"""service/transport/call_backlog.py on a real grpc.aio server: a burst of calls far past
+"""plumbing/call_backlog.py on a real grpc.aio server: a burst of calls far past
 grpcio's default pending-call bounds (1,000 soft, 3,000 hard) reaches the servicer whole."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import collections
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from service.transport.call_backlog import call_backlog_options
+from plumbing.call_backlog import call_backlog_options
 
 BURST = 3000
 HOLD_SECONDS = 4.0

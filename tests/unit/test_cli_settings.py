@@ -15,7 +15,10 @@ from typing import Any
 import pytest
 
 from service import __version__, cli
+from service.api.validation import ENGINE_MAX_LOGPROBS, MAX_BEST_OF
+from service.model.adapters import ModelCatalog
 from service.model.default_model import DEFAULT_SERVED_MODEL_NAME
+from service.model.engine import engine_args
 from service.settings import (
     EngineSettings,
     KeepaliveSettings,
@@ -527,7 +530,20 @@ def test_run_serve_builds_the_default_settings(
     assert cli.run_serve(parse("serve")) == 0
     ((server, engine),) = served
     assert server == ServerSettings()
-    assert engine == EngineSettings(model=None, served_model_name=DEFAULT_SERVED_MODEL_NAME)
+    assert engine == EngineSettings(
+        model=None,
+        served_model_name=DEFAULT_SERVED_MODEL_NAME,
+        max_logprobs=ENGINE_MAX_LOGPROBS,  # what beam search's steps ask for
+    )
+
+
+def test_the_engine_allows_the_logprobs_beam_search_asks_for(
+    served: list[tuple[ServerSettings, EngineSettings]],
+) -> None:
+    assert cli.run_serve(parse("serve")) == 0
+    ((_, engine),) = served
+    built = engine_args(engine, Path("/models/m"), ModelCatalog(engine.served_model_name))
+    assert built.max_logprobs == 2 * MAX_BEST_OF  # a beam step of the widest beam
 
 
 def test_run_serve_passes_every_option_on(
@@ -582,6 +598,7 @@ def test_run_serve_passes_every_option_on(
         max_num_seqs=4,
         max_num_queued_reqs=8,
         max_num_queued_tokens=9,
+        max_logprobs=ENGINE_MAX_LOGPROBS,
         extra_engine_args={"max_num_seqs": 8},
     )
 

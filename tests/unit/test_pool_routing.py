@@ -12,7 +12,9 @@ from llmcompletions.v2.completions_pb2 import ListModelsResponse, Model
 
 from facade import balancing, envoy_config, options, render
 from facade.pools import Pool, PoolError, checked, listing_header, parse_pool
-from service.transport import endpoint_models
+from plumbing.headers import ENDPOINT_MODELS_HEADER
+from service.api import endpoint_models
+from service.transport.endpoint_header import passed_listing
 
 
 def pools() -> list[Pool]:
@@ -75,9 +77,7 @@ def test_each_model_routes_to_its_pool_and_the_rest_to_any_pool_with_the_listing
     fallback = grpc_routes[-1]
     assert fallback["route"]["cluster"] == render.ANY_POOL_CLUSTER
     added = {h["header"]["key"]: h["header"]["value"] for h in fallback["request_headers_to_add"]}
-    passed = ListModelsResponse.FromString(
-        base64.b64decode(added[endpoint_models.ENDPOINT_MODELS_HEADER])
-    )
+    passed = ListModelsResponse.FromString(base64.b64decode(added[ENDPOINT_MODELS_HEADER]))
     assert [model.id for model in passed.data] == ["alpha", "beta", "beta-sql"]
     template_route = envoy_config.grpc_route(render.TEMPLATE)
     for route in grpc_routes:  # retries, timeouts and the reply limit as with one pool
@@ -127,13 +127,13 @@ class Context:
 
 def test_a_replica_names_the_endpoints_models_when_the_facade_passes_them() -> None:
     passed = listing("alpha", "beta").SerializeToString()
-    token = endpoint_models.bind(Context(((endpoint_models.ENDPOINT_MODELS_HEADER, passed),)))
+    token = endpoint_models.bind(passed_listing(Context(((ENDPOINT_MODELS_HEADER, passed),))))
     try:
         assert endpoint_models.served_names(["alpha"]) == ["alpha", "beta"]
         assert endpoint_models.endpoint_listing() == listing("alpha", "beta")
     finally:
         endpoint_models.unbind(token)
-    token = endpoint_models.bind(Context(((endpoint_models.ENDPOINT_MODELS_HEADER, b"\xff"),)))
+    token = endpoint_models.bind(passed_listing(Context(((ENDPOINT_MODELS_HEADER, b"\xff"),))))
     try:
         assert endpoint_models.served_names(["alpha"]) == ["alpha"]  # garbage is ignored
     finally:

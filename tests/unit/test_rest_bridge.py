@@ -10,7 +10,12 @@ import grpc
 import pytest
 from google.protobuf import json_format
 
-from service.api.errors import FieldViolation, ModelNotFoundError, RequestValidationError
+from service.api.errors import (
+    FieldViolation,
+    ModelNotFoundError,
+    RequestValidationError,
+    http_status,
+)
 from service.transport import rest_bridge
 
 LUA = (Path(__file__).resolve().parents[2] / "facade" / "completions.lua").read_text()
@@ -62,7 +67,7 @@ def test_the_facade_reads_the_headers_the_bridge_names(header: str) -> None:
     ],
 )
 def test_grpc_codes_map_to_the_api_error_table(code: grpc.StatusCode, status: int) -> None:
-    assert rest_bridge.http_status(code) == status
+    assert http_status(code) == status
 
 
 def test_validation_errors_become_the_422_body_with_every_violation() -> None:

@@ -20,9 +20,8 @@ from facade.balancing import PrefixAffinity
 from facade.picker import server as picker_server
 from facade.pools import Pool
 from facade.tls import UpstreamTls, listener_tls, upstream_tls
-from service.settings import KeepaliveSettings, TlsSettings
-from service.transport.keepalive import server_options
-from service.transport.tls import ReloadingCertificates
+from plumbing.keepalive import KeepaliveSettings, server_options
+from plumbing.tls import ReloadingCertificates, TlsSettings
 from tests.certificates import CertificateAuthority, KeyPair
 from tests.processes import clean_environment
 

@@ -10,7 +10,23 @@ route) keeps its calls, and their engine requests, running until they finish.
 
 from __future__ import annotations
 
-from service.settings import KeepaliveSettings
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KeepaliveSettings:
+    """HTTP/2 keepalive on the gRPC listener: the server's own pings, and the callers' pings
+    it accepts (README "Transport" says why each default is what it is)."""
+
+    # A connection the caller has sent nothing on for this long gets a ping from the server...
+    time_seconds: float = 30.0
+    # ...and is closed, its calls cancelled, when the ping is not answered within this.
+    timeout_seconds: float = 20.0
+    # Callers' pings closer together than this count as strikes...
+    min_ping_interval_seconds: float = 5.0
+    # ...and past this many strikes the server ends the connection (GOAWAY too_many_pings).
+    # 0: never; a caller's keepalive is never held against it.
+    max_ping_strikes: int = 0
 
 
 def milliseconds(seconds: float) -> int:

@@ -14,15 +14,28 @@ import logging
 import os
 import ssl
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
-from service.settings import TlsSettings
-
 logger = logging.getLogger(__name__)
 
 FileIdentity = tuple[tuple[int, int, int], ...]
+
+
+@dataclass(frozen=True)
+class TlsSettings:
+    """TLS on the gRPC listener; with a client CA, callers must present a certificate it
+    signed (mutual TLS). The files are read again when they change on disk."""
+
+    cert_file: Path
+    key_file: Path
+    client_ca_file: Path | None = None
+
+    @property
+    def mutual(self) -> bool:
+        return self.client_ca_file is not None
 
 
 class CertificateError(ValueError):
