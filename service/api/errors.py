@@ -4,7 +4,7 @@ the fields at fault. How they reach REST callers is `service.transport.rest_brid
 Messages and field descriptions are bounded: a value quoted from the request is clipped
 (`quote`), and every message is cut to a byte budget, whatever produced it (our validation,
 the engine, a structured-output compiler). The whole error then travels in response metadata
-well within gRPC's 8 KiB metadata limit and Envoy's header limits (docs/api.md, "Errors").
+well within gRPC's 8 KiB metadata limit and Envoy's header limits (docs/calling/errors.md).
 """
 
 from __future__ import annotations

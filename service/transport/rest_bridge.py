@@ -37,7 +37,7 @@ END_OF_EVENTS = CreateCompletionResponse()
 # matches these exact bytes.
 END_OF_EVENTS_EVENT = b'data: {"choices":[]}\n\n'
 
-# gRPC code -> HTTP status, the API's error table (docs/api.md, "Errors").
+# gRPC code -> HTTP status, the API's error table (docs/calling/errors.md).
 HTTP_STATUS: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.INVALID_ARGUMENT: 422,
     grpc.StatusCode.OUT_OF_RANGE: 400,
