@@ -102,3 +102,12 @@ def test_every_page_is_in_the_navigation() -> None:
 
     walk(yaml.safe_load(CONFIG.read_text())["nav"])
     assert {str(page.relative_to(DOCS)) for page in PAGES} == listed
+
+
+def test_the_readmes_links_reach_files_that_exist() -> None:
+    """The README is read on its own (a repository's front page), outside the site's build."""
+    readme = (ROOT / "README.md").read_text()
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", readme)
+    local = [target for target in targets if not re.match(r"^[a-z]+://", target)]
+    assert local, "the README links into docs/"
+    assert [target for target in local if not (ROOT / target).exists()] == []
