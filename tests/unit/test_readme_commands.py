@@ -4,8 +4,8 @@ is a Makefile target, every option of `llm-completions`, `python -m facade.launc
 one a program or the Makefile reads, every REST path is one the facade serves, every gRPC
 method or symbol grpcurl is given is in the proto, and every Python example compiles and
 imports only names that exist. What the calls return is checked against a running stack by
-the real-process tests of each surface (tests/test_grpc_tooling.py, test_rest_completions.py,
-test_client.py, ...)."""
+tests/test_readme_calls.py (the README's, as written) and the real-process tests of each
+surface (tests/test_grpc_tooling.py, test_rest_completions.py, test_client.py, ...)."""
 
 from __future__ import annotations
 
