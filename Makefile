@@ -2,7 +2,7 @@
 # make test    install what is missing, run the unit tests, then the whole suite on the real stack
 # make unit    install what is missing, run only the unit tests (tests/unit: no engine, no Envoy)
 # make proto   rebuild generated code from proto/    make lint   ruff and buf lint
-# make bench   the serving benchmark against vLLM's OpenAI server (BENCHMARKS.md), then:
+# make bench   the serving benchmark against vLLM's OpenAI server (docs/benchmarks.md), then:
 # make bench-frontend  `make serve` against `vllm serve` as users run them: serving CPU per token
 # make bench-frontend-same-flags  the same through the test harness, same engine flags both sides
 # make profile CPU per generated token of each server and serving-path option, then bench-frontend
@@ -11,6 +11,7 @@
 # make bench-routing-fronts  the same fleet behind two Envoys, as deploy/ runs them
 # make bench-burst  512 streamed clients at once: `make serve` against `vllm serve`, defaults both
 # make image  the container image (Containerfile) for ENGINE, tagged IMAGE: needs docker or podman
+# make docs   the documentation site (mkdocs.yml, docs/) into site/, strictly; make docs-serve to edit
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -22,7 +23,7 @@ STAMP := $(VENV)/.installed-$(ENGINE)
 # The unit layer; --confcutdir keeps tests/conftest.py (it starts the engine and Envoy) unloaded.
 UNIT_TESTS := tests/unit --confcutdir=tests/unit
 
-.PHONY: install serve test unit proto lint bench profile bench-frontend bench-frontend-same-flags bench-routing bench-routing-keys bench-routing-fronts bench-burst image
+.PHONY: install serve test unit proto lint bench profile bench-frontend bench-frontend-same-flags bench-routing bench-routing-keys bench-routing-fronts bench-burst image docs docs-serve
 
 install: $(STAMP)
 
@@ -104,6 +105,15 @@ bench-routing-keys: install
 # bench/results/routing-fronts.*.
 bench-routing-fronts: install
 	$(BIN)/python -m bench.routing_fronts $(ROUTING_ARGS)
+
+# The documentation site: ProperDocs (MkDocs 1.x, maintained) with the Material theme, offline.
+# strict: a broken link or anchor, a missing page or a page left out of nav fails the build
+# (tests/unit/test_docs_site.py builds it the same way). docs-serve: http://127.0.0.1:8000.
+docs: install
+	$(BIN)/properdocs build --strict -f mkdocs.yml
+
+docs-serve: install
+	$(BIN)/properdocs serve --strict -f mkdocs.yml
 
 proto: install
 	$(BIN)/python proto/generate.py

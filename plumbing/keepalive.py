@@ -16,7 +16,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class KeepaliveSettings:
     """HTTP/2 keepalive on the gRPC listener: the server's own pings, and the callers' pings
-    it accepts (README "Transport" says why each default is what it is)."""
+    it accepts (docs/operating/keepalive.md says why each default is what it is)."""
 
     # A connection the caller has sent nothing on for this long gets a ping from the server...
     time_seconds: float = 30.0

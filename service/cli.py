@@ -98,7 +98,7 @@ def run_serve(args: argparse.Namespace) -> int:
     raise_open_files_limit()  # each caller's connection is a file
     # Not asyncio.run: its teardown is what exit_now skips. uvloop, as vLLM's own server: each
     # streamed token wakes the loop twice (the engine's output, then gRPC's write completing),
-    # and uvloop's wake-ups cost less (BENCHMARKS.md, the frontend-heavy workload).
+    # and uvloop's wake-ups cost less (docs/benchmarks.md, the frontend-heavy workload).
     loop = uvloop.new_event_loop()
     asyncio.set_event_loop(loop)
     return loop.run_until_complete(serve(server, engine))

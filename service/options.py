@@ -180,8 +180,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_capacity_options(parser: argparse.ArgumentParser) -> None:
-    """The batch the engine runs and the backlog past which requests are refused (README
-    "Capacity"), with vLLM's names."""
+    """The batch the engine runs and the backlog past which requests are refused
+    (docs/operating/capacity.md), with vLLM's names."""
     add_option(
         parser,
         "--max-num-seqs",

@@ -322,7 +322,7 @@ class RecordingEnviron(dict[str, str]):
 
 
 # Each program's parser, and the variables it reads at run time beyond its options: Envoy's
-# launcher asks the pools with API_KEY (README "Several base models behind one endpoint").
+# launcher asks the pools with API_KEY (docs/scaling-out/pools.md).
 PROGRAMS: dict[str, tuple[Callable[[], argparse.ArgumentParser], set[str]]] = {
     "llm-completions": (build_parser, set()),
     "facade.launch": (lambda: facade.options.build_parser("facade.launch"), {"API_KEY"}),

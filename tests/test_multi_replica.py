@@ -11,7 +11,8 @@ through Envoy the whole time:
    sent a few seconds later succeeds.
 
 Tests run in file order and share the replicas and the traffic (small engines, so that two fit
-on this machine). Each prints what it measured; README "Scale-out" reports these figures.
+on this machine). Each prints what it measured; docs/scaling-out/fleet.md ("Measured") reports
+these figures.
 """
 
 from __future__ import annotations

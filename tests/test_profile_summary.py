@@ -1,4 +1,4 @@
-"""The profile's py-spy summary attributes samples as BENCHMARKS.md reports them."""
+"""The profile's py-spy summary attributes samples as docs/benchmarks.md reports them."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Every range limit of the API (docs/api.md, "Requests"), both sides of each bound, via REST."""
+"""Every range limit of the API (docs/calling/fields.md), both sides of each bound, via REST."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ table). How they reach REST callers is `service.transport.rest_bridge`'s busines
 Messages and field descriptions are bounded: a value quoted from the request is clipped
 (`quote`), and every message is cut to a byte budget, whatever produced it (our validation,
 the engine, a structured-output compiler). The whole error then travels in response metadata
-well within gRPC's 8 KiB metadata limit and Envoy's header limits (docs/api.md, "Errors").
+well within gRPC's 8 KiB metadata limit and Envoy's header limits (docs/calling/errors.md).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ ELLIPSIS = "…"
 
 Loc = tuple[str | int, ...]
 
-# gRPC code -> HTTP status, the API's error table (docs/api.md, "Errors").
+# gRPC code -> HTTP status, the API's error table (docs/calling/errors.md).
 HTTP_STATUS: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.INVALID_ARGUMENT: 422,
     grpc.StatusCode.OUT_OF_RANGE: 400,

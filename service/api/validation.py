@@ -1,5 +1,5 @@
-"""Checks a completion request against every limit of the API (docs/api.md, "Requests"), collecting
-all violations."""
+"""Checks a completion request against every limit of the API (docs/calling/fields.md),
+collecting all violations."""
 
 from __future__ import annotations
 

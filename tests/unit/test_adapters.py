@@ -247,6 +247,6 @@ def test_vllms_cpu_lora_op_still_applies_the_last_adapter_without_one() -> None:
     """The bug service/model/cpu_lora_fix.py works around (vLLM 0.32.0, CPU build). When this
     fails, the installed vLLM has the fix (vllm-project/vllm#48421 or #49656): the
     workaround has switched itself off; delete service/model/cpu_lora_fix.py, its use in
-    service/model/adapters.py and the README's note."""
+    service/model/adapters.py and its section of docs/operating/adapters.md."""
     assert cpu_lora_fix.lora_op_applies_last_slot_without_adapter()
     assert cpu_lora_fix.needed()  # this is the CPU build

@@ -88,7 +88,7 @@ def test_the_environment_names_are_the_documented_ones() -> None:
     } <= env_names()
 
 
-# The documented defaults (README, "Configuration") as `serve` parses them.
+# The documented defaults (docs/operating/configuration.md) as `serve` parses them.
 DOCUMENTED_DEFAULTS: dict[str, Any] = {
     "log_level": "INFO",
     "log_format": "plain",

@@ -245,7 +245,7 @@ def test_the_build_context_keeps_out_what_a_checkout_makes() -> None:
     patterns = ignore_patterns()
     for made in (".git", ".venv", ".pytest_cache", ".ruff_cache", ".hypothesis", "bench/results"):
         assert ignored(made, patterns), made
-    for made in ("service/__pycache__", "clients/python/build", "llm_completions.egg-info"):
+    for made in ("service/__pycache__", "clients/python/build", "llm_completions.egg-info", "site"):
         assert ignored(made, patterns), made
     for sources, _ in IMAGE.context_copies(IMAGE.stage("build")) + IMAGE.context_copies(FINAL):
         for source in sources:

@@ -1,4 +1,4 @@
-"""The frontend-heavy report compares runs measured in the same round, as BENCHMARKS.md
+"""The frontend-heavy report compares runs measured in the same round, as docs/benchmarks.md
 quotes it: ours against vLLM's server, and against an earlier commit of ours when measured."""
 
 from __future__ import annotations

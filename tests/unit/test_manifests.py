@@ -78,7 +78,7 @@ CHECKOV_SKIPS = {
     # runAsUser states; runAsNonRoot holds either way.
     "CKV_K8S_40": "the image's user is UID 2000",
     # Images by digest: the base names a tag (`make image`'s); an operator pins the digest of
-    # what they pushed with `images:` (README "Deploy").
+    # what they pushed with `images:` (docs/deploying/image.md).
     "CKV_K8S_43": "the digest is the operator's to pin, with kustomize images:",
 }
 # checkov and its libraries stay offline: no guidelines from Prisma Cloud, no version check.
@@ -406,7 +406,8 @@ def operator_kustomization(directory: Path, kustomization: dict[str, Any]) -> Pa
 def test_an_operator_retags_every_image_in_one_place(tmp_path: Path) -> None:
     """One `images:` entry in the operator's own kustomization renames every container's
     image (replicas, Envoy, picker), whatever it builds on: here deploy/base with the CPU and
-    cert-manager components (README "Deploy"), and deploy/two-models. Each keeps its tag."""
+    cert-manager components (docs/deploying/overview.md), and deploy/two-models. Each keeps its
+    tag."""
     retag = [{"name": "llm-completions", "newName": "registry.example/llm-completions"}]
     composed = {
         "resources": ["base"],
@@ -442,7 +443,7 @@ def test_tracing_reaches_every_process_and_the_operator_sets_the_collector(
 ) -> None:
     """deploy/tracing: the replicas, Envoy and the picker read the collector's address from
     the variable the programs read (plumbing.tracing), and an operator's own kustomization
-    changes it in one place (README "Deploy")."""
+    changes it in one place (docs/deploying/tracing.md)."""
     documents = rendered["tracing"]
     apps = set()
     for deployment in of_kind(documents, "Deployment"):

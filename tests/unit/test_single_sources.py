@@ -1,5 +1,5 @@
 """Facts stated once: numeric ranges in the proto (feeding validation, the OpenAPI document and
-the README's field table), the version in pyproject.toml."""
+the field table of docs/calling/fields.md), the version in pyproject.toml."""
 
 from __future__ import annotations
 
@@ -13,23 +13,24 @@ import service
 from service.api.validation import DECLARED_RANGES, describe_range
 
 ROOT = Path(__file__).resolve().parents[2]
-README = (ROOT / "README.md").read_text()
+FIELDS_PAGE = (ROOT / "docs" / "calling" / "fields.md").read_text()
 OPENAPI = json.loads((ROOT / "facade" / "openapi.json").read_text())
 REQUEST_SCHEMA = OPENAPI["components"]["schemas"]["CreateCompletionRequest"]["properties"]
 
 
-def readme_limits(field: str) -> str:
-    """The 'limits, default' cell of the field's row in the README's request-field table."""
-    for line in README.splitlines():
+def documented_limits(field: str) -> str:
+    """The 'limits, default' cell of the field's row in the request-field table of
+    docs/calling/fields.md."""
+    for line in FIELDS_PAGE.splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
         if len(cells) == 4 and f"`{field}`" in cells[0].split(", "):
             return cells[2]
-    raise AssertionError(f"no README row for {field}")
+    raise AssertionError(f"no row for {field} in docs/calling/fields.md")
 
 
 @pytest.mark.parametrize("field", sorted(DECLARED_RANGES))
-def test_the_readme_states_each_declared_range(field: str) -> None:
-    assert describe_range(*DECLARED_RANGES[field]).removeprefix("in ") in readme_limits(field)
+def test_the_field_table_states_each_declared_range(field: str) -> None:
+    assert describe_range(*DECLARED_RANGES[field]).removeprefix("in ") in documented_limits(field)
 
 
 @pytest.mark.parametrize("field", sorted(DECLARED_RANGES))
