@@ -11,6 +11,7 @@
 # make bench-routing-fronts  the same fleet behind two Envoys, as deploy/ runs them
 # make bench-burst  512 streamed clients at once: `make serve` against `vllm serve`, defaults both
 # make image  the container image (Containerfile) for ENGINE, tagged IMAGE: needs docker or podman
+# make constraints-gpu  requirements/constraints-gpu.txt again, from pip's resolver (the registry, no GPU)
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -22,7 +23,7 @@ STAMP := $(VENV)/.installed-$(ENGINE)
 # The unit layer; --confcutdir keeps tests/conftest.py (it starts the engine and Envoy) unloaded.
 UNIT_TESTS := tests/unit --confcutdir=tests/unit
 
-.PHONY: install serve test unit proto lint bench profile bench-frontend bench-frontend-same-flags bench-routing bench-routing-keys bench-routing-fronts bench-burst image
+.PHONY: install serve test unit proto lint bench profile bench-frontend bench-frontend-same-flags bench-routing bench-routing-keys bench-routing-fronts bench-burst image constraints-gpu
 
 install: $(STAMP)
 
@@ -32,6 +33,12 @@ install: $(STAMP)
 $(STAMP): image/install.sh pyproject.toml clients/python/pyproject.toml requirements/model.txt $(wildcard requirements/constraints-$(ENGINE).txt)
 	PYTHON=$(PYTHON) sh image/install.sh --editable $(VENV) $(ENGINE) dev bench
 	touch $@
+
+# The GPU build's pins, for the GPU image's Python and platform, resolved from the wheels'
+# metadata by the venv's pip (requirements/lock.py: under 2 minutes; nothing installed or
+# downloaded). The CPU file is `pip freeze --exclude-editable` of a CPU `make install`.
+constraints-gpu:
+	$(BIN)/python requirements/lock.py
 
 serve: install
 	$(if $(MODEL),,$(BIN)/llm-completions prepare-model)
