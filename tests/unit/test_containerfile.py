@@ -220,6 +220,38 @@ def test_the_build_copies_every_package_the_project_installs() -> None:
     assert needed | {"requirements", "clients/python", "image"} <= copied
 
 
+def copied_by(path: str, sources: list[str]) -> bool:
+    """Whether a COPY of these sources brings the path (itself, or a directory above it)."""
+    return any(path == s.rstrip("/") or path.startswith(s.rstrip("/") + "/") for s in sources)
+
+
+def test_the_build_copies_each_engines_pins_and_the_install_requires_them(tmp_path: Path) -> None:
+    sources = [s for found, _ in IMAGE.context_copies(IMAGE.stage("build")) for s in found]
+    for engine in ENGINES:
+        pins = f"requirements/constraints-{engine}.txt"
+        assert (ROOT / pins).is_file(), pins
+        assert copied_by(pins, sources), pins
+        assert not ignored(pins, ignore_patterns()), pins
+        done = subprocess.run(  # without its pins (a tree that lacks them): no install at all
+            ["sh", str(ROOT / "image" / "install.sh"), str(tmp_path / "venv"), engine],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert done.returncode == 2 and f"{pins} is missing" in done.stderr, done.stderr
+        assert not (tmp_path / "venv").exists()
+    install = (ROOT / "image" / "install.sh").read_text()
+    assert "constraints=requirements/constraints-$engine.txt" in install
+    assert re.search(r'^"\$pip" install -c "\$constraints" .*\./clients/python', install, re.M)
+
+
+def test_make_reinstalls_when_the_engines_pins_change() -> None:
+    makefile = (ROOT / "Makefile").read_text()
+    (stamp,) = re.findall(r"^\$\(STAMP\):(.*)$", makefile, re.M)
+    assert "requirements/constraints-$(ENGINE).txt" in stamp.split()
+
+
 def ignore_patterns() -> list[str]:
     lines = (ROOT / ".dockerignore").read_text().splitlines()
     return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
