@@ -1,8 +1,15 @@
-"""One running stack (the real engine on the default model, and a real Envoy) per test session."""
+"""The real-process suite's engines and stacks, shared across modules (tests/engines.py says
+how): the default stack (the real engine on the default model, and a real Envoy), vLLM's own
+server beside it, a stack serving LoRA adapters with vLLM's server on the same adapters, a
+fleet of two traced replicas, and a small engine for capacity and lifecycle. Modules run in
+an order that keeps each shared engine's users together, so that it is stopped once they are
+done."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -14,7 +21,10 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from bench.servers import VllmOpenAIServer
 from service.model.default_model import DEFAULT_SERVED_MODEL_NAME, prepare_default_model
-from tests.processes import TestStack, free_port
+from tests.engines import STARTS, Engine, SharedEngines
+from tests.models import build_adapter, with_bos_tokenizer
+from tests.otlp import OtlpReceiver
+from tests.processes import HealthWatch, TestStack, free_port
 
 MODEL = DEFAULT_SERVED_MODEL_NAME
 MAX_MODEL_LEN = 2048
@@ -33,6 +43,242 @@ CHAT_FLAGS = ["--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
 # caller is noticed within seconds (tests/test_keepalive.py).
 SERVER_KEEPALIVE_SECONDS = 5
 
+# The adapter stack: the base model under a name of its own (so that it is a pool of its own
+# beside the default stack's), and two adapters made in the session.
+LORA_MODEL = "smollm2-lora"
+ADAPTER_SEEDS = {"a1": 1, "a2": 2}
+# The fleet's replicas send their spans every 0.2 s (the SDK's default is 5 s).
+TRACE_BATCH_ENV = {"OTEL_BSP_SCHEDULE_DELAY": "200"}
+# The small engine: a batch of 4, priority scheduling and small backlog bounds (waiting,
+# refusing and ordering show within seconds), on a variant of the default model whose
+# tokenizer adds a BOS token; JSON logs with prompts.
+BOS_MODEL = "smollm2-with-bos"
+SMALL_BATCH = 4
+SMALL_QUEUED_REQS = 40
+SMALL_QUEUED_TOKENS = 2000
+
+# Modules that share an engine run next to each other, in this order, after every other
+# module (which use the default stack and vLLM's server); each shared engine stops after its
+# last user. Within a group, those that stop or kill a shared process come last.
+LATE_MODULES = (
+    "test_adapters.py",  # the adapter stack and vLLM's with adapters
+    "test_pools.py",  # the default stack and the adapter stack as two pools
+    "test_tracing.py",  # the fleet (its last test stops the fleet's span receiver)
+    "test_prefix_routing.py",  # the fleet (its last test kills a replica)
+    "test_engine_death.py",  # the fleet's other replica: its engine is killed
+    "test_capacity.py",  # the small engine
+    "test_service_lifecycle.py",  # the small engine (its last test drains and stops it)
+    "test_tls.py",
+    "test_multi_replica.py",
+    "test_engine_lifetime.py",
+    "test_image_runtime.py",
+    "test_gpu_pins.py",  # its resolver runs in the background from the start: last, to wait least
+)
+# Fixtures that hand out a shared engine, and the engine.
+SHARED_FIXTURES = {
+    "stack": "main",
+    "vllm_server": "vllm",
+    "lora_stack": "lora",
+    "vllm_lora_server": "vllm-lora",
+    "fleet_replicas": "fleet",
+    "small_stack": "small",
+}
+# Started together when a test first needs one of them (those that tests still need).
+SHARED_GROUPS = (frozenset({"main", "vllm", "lora", "vllm-lora"}),)
+
+
+@dataclass
+class VllmServer:
+    """vLLM's own server as a shared engine."""
+
+    server: VllmOpenAIServer
+
+    def wait_ready(self) -> None:
+        self.server.wait_ready()
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+@dataclass
+class ReadyStack:
+    """A stack as a shared engine: ready once the service serves (and Envoy routes to it)."""
+
+    stack: TestStack
+    with_envoy: bool = True
+
+    def wait_ready(self) -> None:
+        if self.with_envoy:
+            self.stack.wait_ready(ENGINE_START_TIMEOUT)
+        else:
+            self.stack.wait_ready_service(ENGINE_START_TIMEOUT)
+
+    def stop(self) -> None:
+        self.stack.stop()
+
+
+@dataclass
+class FleetReplicas:
+    """Two replicas, each on a core of its own, sending their spans to `receiver`."""
+
+    replicas: list[TestStack]
+    receiver: OtlpReceiver
+
+    def wait_ready(self) -> None:
+        for replica in self.replicas:
+            replica.wait_ready_service(ENGINE_START_TIMEOUT)
+
+    def stop(self) -> None:
+        for replica in self.replicas:
+            replica.stop()
+        self.receiver.stop()
+
+    def alive(self) -> list[TestStack]:
+        return [r for r in self.replicas if r.processes and r.processes[0].poll() is None]
+
+
+@dataclass
+class SmallStack:
+    """The small engine behind its own Envoy, its health watched from before it listens."""
+
+    stack: TestStack
+    health: HealthWatch
+
+    def wait_ready(self) -> None:
+        self.stack.wait_ready(ENGINE_START_TIMEOUT)
+
+    def stop(self) -> None:
+        self.health.done.set()
+        self.stack.stop()
+
+
+def on_free_ports(engine: str, service_args: list[str], log: Path, **options: object) -> TestStack:
+    """A stack on free ports (gRPC, REST, Envoy's admin, metrics) with its log in `log`."""
+    return TestStack(
+        grpc_port=free_port(),
+        http_port=free_port(),
+        admin_port=free_port(),
+        service_args=[*service_args, "--metrics-port", str(free_port())],
+        service_log=log,
+        engine=engine,
+        **options,  # type: ignore[arg-type]
+    )
+
+
+def start_main(logs: Path) -> Engine:
+    stack = on_free_ports(
+        "main",
+        [
+            *("--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-gib", "1"),
+            *("--api-key", f"{API_KEY},{OTHER_API_KEY}"),
+            *("--keepalive-time", str(SERVER_KEEPALIVE_SECONDS)),
+            *("--keepalive-timeout", str(SERVER_KEEPALIVE_SECONDS)),
+            *CHAT_FLAGS,
+        ],
+        logs / "service.log",
+        service_module="tests.fault_injection",  # the real engine, failing on request
+    )
+    stack.start()
+    return ReadyStack(stack)
+
+
+def start_vllm(model_dir: Path) -> Engine:
+    """vLLM's own OpenAI server on the same model directory, context length and chat flags,
+    with prefix caching on (as ours has it) and its hits reported."""
+    STARTS.record("vllm")
+    return VllmServer(
+        VllmOpenAIServer(
+            model_dir,
+            MODEL,
+            max_model_len=MAX_MODEL_LEN,
+            kv_cache_gib=1,
+            extra_args=["--enable-prompt-tokens-details", *CHAT_FLAGS],
+            prefix_caching=True,
+        )
+    )
+
+
+def lora_flags(adapter_dirs: dict[str, Path]) -> list[str]:
+    return ["--lora-modules", *(f"{name}={path}" for name, path in adapter_dirs.items())]
+
+
+def start_lora(adapter_dirs: dict[str, Path], logs: Path) -> Engine:
+    """No chat flags: chat through an adapter and the tool choices that need a parser are
+    checked on it too. Envoy shows its routing keys (--debug-headers)."""
+    stack = on_free_ports(
+        "lora",
+        [
+            *SMALL_ENGINE,
+            *("--served-model-name", LORA_MODEL),
+            *lora_flags(adapter_dirs),
+            *("--max-loras", "2"),
+        ],
+        logs / "lora-service.log",
+        envoy_args=["--debug-headers"],
+    )
+    stack.start()
+    return ReadyStack(stack)
+
+
+def start_vllm_lora(model_dir: Path, adapter_dirs: dict[str, Path]) -> Engine:
+    """vLLM's own OpenAI server on the same model, name, context length and adapters."""
+    STARTS.record("vllm-lora")
+    return VllmServer(
+        VllmOpenAIServer(
+            model_dir,
+            LORA_MODEL,
+            max_model_len=512,
+            kv_cache_gib=1,
+            extra_args=["--enable-lora", "--max-loras", "2", *lora_flags(adapter_dirs)],
+        )
+    )
+
+
+def start_fleet(logs: Path) -> Engine:
+    receiver = OtlpReceiver()
+    replicas = [
+        TestStack(
+            grpc_port=free_port(),
+            service_args=[
+                *SMALL_ENGINE,
+                # Each replica on a core of its own: vLLM's automatic binding would put both
+                # on the same one, and one would starve.
+                *("--cpu-cores", str(core)),
+                *("--metrics-port", str(free_port())),
+                *("--otlp-traces-endpoint", receiver.endpoint),
+            ],
+            env=TRACE_BATCH_ENV,
+            service_log=logs / f"fleet-replica-{core}.log",
+            engine="fleet",
+        )
+        for core in range(2)
+    ]
+    for replica in replicas:
+        replica.start(with_envoy=False)
+    return FleetReplicas(replicas, receiver)
+
+
+def start_small(model_dir: Path, logs: Path) -> Engine:
+    variant = with_bos_tokenizer(model_dir, logs / "bos-model")
+    stack = on_free_ports(
+        "small",
+        [
+            *SMALL_ENGINE,
+            *("--model", str(variant), "--served-model-name", BOS_MODEL),
+            "--log-prompts",
+            *("--max-num-seqs", str(SMALL_BATCH), "--scheduling-policy", "priority"),
+            *("--max-num-queued-reqs", str(SMALL_QUEUED_REQS)),
+            *("--max-num-queued-tokens", str(SMALL_QUEUED_TOKENS)),
+            # A drain ends when the streams in flight end; the grace only bounds a stuck one.
+            *("--shutdown-grace", "60"),
+        ],
+        logs / "small-service.log",
+        env={"LOG_FORMAT": "json"},
+    )
+    health = HealthWatch(stack.grpc_target).start()
+    stack.start()
+    return SmallStack(stack, health)
+
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
@@ -45,31 +291,114 @@ def tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
 
 
 @pytest.fixture(scope="session")
-def stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestStack]:
-    running = TestStack(
-        grpc_port=free_port(),
-        http_port=free_port(),
-        admin_port=free_port(),
-        service_args=[
-            "--max-model-len",
-            str(MAX_MODEL_LEN),
-            "--kv-cache-gib",
-            "1",
-            "--api-key",
-            f"{API_KEY},{OTHER_API_KEY}",
-            "--metrics-port",
-            str(free_port()),
-            "--keepalive-time",
-            str(SERVER_KEEPALIVE_SECONDS),
-            "--keepalive-timeout",
-            str(SERVER_KEEPALIVE_SECONDS),
-            *CHAT_FLAGS,
-        ],
-        service_module="tests.fault_injection",  # the real engine, failing on request
-        service_log=tmp_path_factory.mktemp("stack") / "service.log",
-    )
-    with running.running(ENGINE_START_TIMEOUT):
-        yield running
+def adapter_dirs(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        name: build_adapter(model_dir, root / name, seed) for name, seed in ADAPTER_SEEDS.items()
+    }
+
+
+# What the builders need that fixtures make: made in the test's thread (fixtures are not
+# thread-safe), before the builders run side by side.
+BUILD_INPUTS: dict[str, object] = {}
+
+
+def model_input() -> Path:
+    return BUILD_INPUTS["model_dir"]  # type: ignore[return-value]
+
+
+def adapters_input() -> dict[str, Path]:
+    return BUILD_INPUTS["adapter_dirs"]  # type: ignore[return-value]
+
+
+def logs_input() -> Path:
+    return BUILD_INPUTS["logs"]  # type: ignore[return-value]
+
+
+SHARED = SharedEngines(
+    builders={
+        "main": lambda: start_main(logs_input()),
+        "vllm": lambda: start_vllm(model_input()),
+        "lora": lambda: start_lora(adapters_input(), logs_input()),
+        "vllm-lora": lambda: start_vllm_lora(model_input(), adapters_input()),
+        "fleet": lambda: start_fleet(logs_input()),
+        "small": lambda: start_small(model_input(), logs_input()),
+    },
+    groups=SHARED_GROUPS,
+    # The small engine starts beside the default stack: its placement then shows the sharing.
+    requires={"small": frozenset({"main"})},
+)
+
+
+@pytest.fixture(scope="session")
+def shared_engines(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SharedEngines]:
+    BUILD_INPUTS.update(model_dir=model_dir, logs=tmp_path_factory.mktemp("engines"))
+    try:
+        yield SHARED
+    finally:
+        SHARED.stop_all()
+
+
+# The test being set up: a session fixture's request names the session, not the test.
+CURRENT_TEST: list[str] = [""]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    CURRENT_TEST[0] = item.nodeid
+
+
+def shared(request: pytest.FixtureRequest, name: str) -> Engine:
+    engines: SharedEngines = request.getfixturevalue("shared_engines")
+    test_id = CURRENT_TEST[0]
+    starting = ({name} | engines.group_of(name)) & engines.still_needed(test_id)
+    if {"lora", "vllm-lora"} & starting:
+        BUILD_INPUTS["adapter_dirs"] = request.getfixturevalue("adapter_dirs")
+    return engines.get(name, test_id)
+
+
+@pytest.fixture(scope="session")
+def stack(request: pytest.FixtureRequest) -> TestStack:
+    engine = shared(request, "main")
+    assert isinstance(engine, ReadyStack)
+    return engine.stack
+
+
+@pytest.fixture(scope="session")
+def vllm_server(request: pytest.FixtureRequest) -> str:
+    engine = shared(request, "vllm")
+    assert isinstance(engine, VllmServer)
+    return engine.server.base_url
+
+
+@pytest.fixture(scope="session")
+def lora_stack(request: pytest.FixtureRequest) -> TestStack:
+    engine = shared(request, "lora")
+    assert isinstance(engine, ReadyStack)
+    return engine.stack
+
+
+@pytest.fixture(scope="session")
+def vllm_lora_server(request: pytest.FixtureRequest) -> str:
+    engine = shared(request, "vllm-lora")
+    assert isinstance(engine, VllmServer)
+    return engine.server.base_url
+
+
+@pytest.fixture(scope="session")
+def fleet_replicas(request: pytest.FixtureRequest) -> FleetReplicas:
+    engine = shared(request, "fleet")
+    assert isinstance(engine, FleetReplicas)
+    return engine
+
+
+@pytest.fixture(scope="session")
+def small_stack(request: pytest.FixtureRequest) -> SmallStack:
+    engine = shared(request, "small")
+    assert isinstance(engine, SmallStack)
+    return engine
 
 
 @pytest.fixture(scope="session")
@@ -91,24 +420,63 @@ def openai_client(stack: TestStack) -> openai.OpenAI:
 
 @pytest.fixture(scope="session")
 def metrics_url(stack: TestStack) -> str:
-    port = stack.service_args[stack.service_args.index("--metrics-port") + 1]
-    return f"http://127.0.0.1:{port}/metrics"
+    return stack.metrics_url
 
 
-@pytest.fixture(scope="session")
-def vllm_server(model_dir: Path) -> Iterator[str]:
-    """vLLM's own OpenAI server on the same model directory, context length and chat flags,
-    with prefix caching on (as ours has it) and its hits reported."""
-    server = VllmOpenAIServer(
-        model_dir,
-        MODEL,
-        max_model_len=MAX_MODEL_LEN,
-        kv_cache_gib=1,
-        extra_args=["--enable-prompt-tokens-details", *CHAT_FLAGS],
-        prefix_caching=True,
+def module_rank(item: pytest.Item) -> int:
+    name = item.path.name
+    return LATE_MODULES.index(name) + 1 if name in LATE_MODULES else 0
+
+
+# Work a module declares as `background()` that waits more than it computes (a resolver on the
+# network): started when the session's tests are known, its result handed to the module's
+# tests by the `background_result` fixture, so that the wait overlaps the other tests.
+BACKGROUND = ThreadPoolExecutor(max_workers=2, thread_name_prefix="background")
+BACKGROUND_JOBS: dict[Path, Future[object]] = {}
+
+
+def start_background_work(items: list[pytest.Item]) -> None:
+    for module in {item.module for item in items if isinstance(item, pytest.Function)}:
+        work = getattr(module, "background", None)
+        if callable(work) and module.__file__ is not None:
+            BACKGROUND_JOBS[Path(module.__file__)] = BACKGROUND.submit(work)
+
+
+@pytest.fixture
+def background_result(request: pytest.FixtureRequest) -> object:
+    return BACKGROUND_JOBS[request.path].result()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=module_rank)  # stable: file order within a module, and among the rest
+    if not config.option.collectonly:
+        start_background_work(items)
+    SHARED.plan(
+        [
+            (
+                item.nodeid,
+                frozenset(SHARED_FIXTURES[f] for f in item.fixturenames if f in SHARED_FIXTURES),
+            )
+            for item in items
+        ]
     )
-    try:
-        server.wait_ready()
-        yield server.base_url
-    finally:
-        server.stop()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    yield
+    SHARED.release_after(nextitem.nodeid if nextitem else None)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    for line in STARTS.summary():
+        terminalreporter.write_line(line)
+    for name, (count, budget) in STARTS.over_budget().items():
+        terminalreporter.write_line(
+            f"engine {name!r} started {count} times, over its budget of {budget}", red=True
+        )
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if STARTS.over_budget() and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

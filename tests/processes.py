@@ -11,19 +11,24 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import psutil
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from facade.picker.fleet import read_clusters
 from facade.stack import Stack, StackError
+from tests.engines import STARTS
 
 __all__ = [
+    "HealthWatch",
     "StackError",
     "TestStack",
     "free_port",
@@ -142,8 +147,25 @@ def shared_picker(
 class TestStack(Stack):
     service_log: Path | None = None  # the service's output goes here instead of the terminal
     source: Path | None = None  # run the code of this checkout (e.g. an older one) instead
+    # Which of tests/engines.py's configurations this is: each start is counted against its
+    # budget ("": not counted, for the benchmarks' stacks).
+    engine: str = ""
+    envoy_args: Sequence[str] = ()  # more of facade.launch's options
 
     __test__ = False  # a harness, not a test class
+
+    @property
+    def metrics_url(self) -> str:
+        port = self.service_args[list(self.service_args).index("--metrics-port") + 1]
+        return f"http://127.0.0.1:{port}/metrics"
+
+    def start(self, with_envoy: bool = True) -> None:
+        if self.engine:
+            STARTS.record(self.engine)
+        super().start(with_envoy)
+
+    def envoy_command(self) -> list[str]:
+        return [*super().envoy_command(), *self.envoy_args]
 
     def service_popen_options(self) -> dict[str, Any]:
         log = self.service_log.open("ab") if self.service_log else None
@@ -177,3 +199,32 @@ def thread_affinities(process: psutil.Process) -> list[set[int]]:
         except OSError:
             continue
     return found
+
+
+@dataclass
+class HealthWatch:
+    """Every status a server's health Watch stream reports, from before it listens."""
+
+    target: str
+    statuses: list[int] = field(default_factory=list)
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def start(self) -> HealthWatch:
+        threading.Thread(target=self.run, daemon=True).start()
+        return self
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            try:
+                with grpc.insecure_channel(self.target) as channel:
+                    stub = health_pb2_grpc.HealthStub(channel)
+                    for reply in stub.Watch(health_pb2.HealthCheckRequest()):
+                        self.statuses.append(reply.status)
+            except grpc.RpcError:
+                time.sleep(0.2)
+
+    def wait_for(self, status: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while status not in self.statuses:
+            assert time.monotonic() < deadline, f"health never reported {status}: {self.statuses}"
+            time.sleep(0.1)

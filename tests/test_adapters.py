@@ -19,93 +19,25 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import torch
-from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM
 
-from bench.servers import VllmOpenAIServer
 from service.model import cpu_lora_fix
-from tests.conftest import ENGINE_START_TIMEOUT, MODEL, SMALL_ENGINE
+from tests.conftest import ADAPTER_SEEDS, LORA_MODEL, SMALL_ENGINE
 from tests.helpers import CAPITAL_PROMPT
 from tests.metrics import scrape
+from tests.models import build_adapter
 from tests.processes import TestStack, free_port
 from tests.test_vllm_parity import assert_logprobs_close
 
-ADAPTERS = ("a1", "a2")
-SEEDS = {"a1": 1, "a2": 2}
-# lora_B scaled by this: greedy output changes from the first token yet stays text (5 was noise).
-B_SCALE = 2.0
+ADAPTERS = tuple(ADAPTER_SEEDS)
 PROMPTS = [CAPITAL_PROMPT, "def fibonacci(n):", "Once upon a time, in a small village,"]
 STARTUP_FAILURE_SECONDS = 90
 QUICK_FAILURE_SECONDS = 45  # importing vLLM takes most of it on a busy 2-core machine
 
 
-def build_adapter(model_dir: Path, target: Path, seed: int, rank: int = 8) -> Path:
-    """A PEFT LoRA adapter on the model: seeded random weights, lora_B scaled by B_SCALE."""
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    config = LoraConfig(
-        r=rank, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False
-    )
-    peft_model = get_peft_model(model, config)
-    with torch.no_grad():
-        for name, parameter in peft_model.named_parameters():
-            if "lora_B" in name:
-                parameter.mul_(B_SCALE)
-    peft_model.save_pretrained(target)
-    return target
-
-
 @pytest.fixture(scope="module")
-def adapter_dirs(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("adapters")
-    return {name: build_adapter(model_dir, root / name, SEEDS[name]) for name in ADAPTERS}
-
-
-def lora_flags(adapter_dirs: dict[str, Path]) -> list[str]:
-    return ["--lora-modules", *(f"{name}={path}" for name, path in adapter_dirs.items())]
-
-
-@pytest.fixture(scope="module")
-def adapter_stack(
-    adapter_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[TestStack]:
-    running = TestStack(
-        grpc_port=free_port(),
-        http_port=free_port(),
-        admin_port=free_port(),
-        service_args=[
-            *SMALL_ENGINE,
-            *lora_flags(adapter_dirs),
-            *("--max-loras", "2", "--metrics-port", str(free_port())),
-        ],
-        service_log=tmp_path_factory.mktemp("adapter-stack") / "service.log",
-    )
-    with running.running(ENGINE_START_TIMEOUT):
-        yield running
-
-
-@pytest.fixture(scope="module")
-def rest(adapter_stack: TestStack) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=adapter_stack.base_url, timeout=120) as client:
+def rest(lora_stack: TestStack) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=lora_stack.base_url, timeout=120) as client:
         yield client
-
-
-@pytest.fixture(scope="module")
-def vllm_server(model_dir: Path, adapter_dirs: dict[str, Path]) -> Iterator[str]:
-    """vLLM's own OpenAI server on the same model, context length and adapters."""
-    server = VllmOpenAIServer(
-        model_dir,
-        MODEL,
-        max_model_len=512,
-        kv_cache_gib=1,
-        extra_args=["--enable-lora", "--max-loras", "2", *lora_flags(adapter_dirs)],
-    )
-    try:
-        server.wait_ready()
-        yield server.base_url
-    finally:
-        server.stop()
 
 
 def completion(rest: httpx.Client, model: str, **fields: Any) -> dict[str, Any]:
@@ -122,16 +54,16 @@ def text(reply: dict[str, Any]) -> str:
 @pytest.mark.parametrize("prompt", PROMPTS)
 @pytest.mark.parametrize("adapter", ADAPTERS)
 def test_adapter_greedy_text_and_logprobs_equal_vllm_and_differ_from_base(
-    rest: httpx.Client, vllm_server: str, adapter: str, prompt: str
+    rest: httpx.Client, vllm_lora_server: str, adapter: str, prompt: str
 ) -> None:
     request = {"model": adapter, "prompt": prompt, "max_tokens": 24, "temperature": 0}
     request["logprobs"] = 3
-    theirs = httpx.post(f"{vllm_server}/v1/completions", json=request, timeout=120).json()
+    theirs = httpx.post(f"{vllm_lora_server}/v1/completions", json=request, timeout=120).json()
     ours = completion(rest, **request)
     assert ours["model"] == adapter
     assert text(ours) == text(theirs)
     assert_logprobs_close(ours["choices"][0]["logprobs"], theirs["choices"][0]["logprobs"])
-    assert text(ours) != text(completion(rest, MODEL, prompt=prompt))
+    assert text(ours) != text(completion(rest, LORA_MODEL, prompt=prompt))
 
 
 def chat(url: str, model: str, **fields: Any) -> httpx.Response:
@@ -141,11 +73,11 @@ def chat(url: str, model: str, **fields: Any) -> httpx.Response:
 
 
 def test_adapter_chat_equals_vllm_and_differs_from_base(
-    rest: httpx.Client, vllm_server: str
+    rest: httpx.Client, vllm_lora_server: str
 ) -> None:
     ours = chat(f"{rest.base_url}/v2/chat/completions", "a1", max_completion_tokens=16).json()
-    theirs = chat(f"{vllm_server}/v1/chat/completions", "a1", max_completion_tokens=16).json()
-    base = chat(f"{rest.base_url}/v2/chat/completions", MODEL, max_completion_tokens=16).json()
+    theirs = chat(f"{vllm_lora_server}/v1/chat/completions", "a1", max_completion_tokens=16).json()
+    base = chat(f"{rest.base_url}/v2/chat/completions", LORA_MODEL, max_completion_tokens=16).json()
     content = ours["choices"][0]["message"]["content"]
     assert ours["model"] == "a1"
     assert content == theirs["choices"][0]["message"]["content"]
@@ -159,11 +91,11 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"
     "tool_choice", ["auto", "required", {"type": "function", "function": {"name": "get_weather"}}]
 )
 def test_tool_choices_needing_a_parser_are_refused_as_vllm_refuses_them(
-    rest: httpx.Client, vllm_server: str, tool_choice: Any
+    rest: httpx.Client, vllm_lora_server: str, tool_choice: Any
 ) -> None:
     fields = {"tools": [TOOL], "tool_choice": tool_choice, "max_completion_tokens": 8}
-    ours = chat(f"{rest.base_url}/v2/chat/completions", MODEL, **fields)
-    theirs = chat(f"{vllm_server}/v1/chat/completions", MODEL, **fields)
+    ours = chat(f"{rest.base_url}/v2/chat/completions", LORA_MODEL, **fields)
+    theirs = chat(f"{vllm_lora_server}/v1/chat/completions", LORA_MODEL, **fields)
     assert theirs.status_code == 400  # vLLM's own server refuses it too
     assert ours.status_code == 422, ours.text
     (violation,) = ours.json()["detail"]
@@ -172,10 +104,10 @@ def test_tool_choices_needing_a_parser_are_refused_as_vllm_refuses_them(
         assert "--enable-auto-tool-choice" in violation["msg"]
 
 
-def test_adapter_echo_logprobs_equal_vllm(rest: httpx.Client, vllm_server: str) -> None:
+def test_adapter_echo_logprobs_equal_vllm(rest: httpx.Client, vllm_lora_server: str) -> None:
     request = {"model": "a1", "prompt": CAPITAL_PROMPT, "max_tokens": 8, "temperature": 0}
     request.update(logprobs=2, echo=True)
-    theirs = httpx.post(f"{vllm_server}/v1/completions", json=request, timeout=120).json()
+    theirs = httpx.post(f"{vllm_lora_server}/v1/completions", json=request, timeout=120).json()
     ours = completion(rest, **request)
     assert text(ours) == text(theirs)
     assert_logprobs_close(ours["choices"][0]["logprobs"], theirs["choices"][0]["logprobs"])
@@ -186,7 +118,7 @@ def test_base_and_adapters_batched_together_each_get_their_own_output(
 ) -> None:
     """The CPU engine bug (service/model/cpu_lora_fix.py): without the fix, the base model's
     requests in a batch with adapter requests come back with an adapter's text."""
-    models = [MODEL, *ADAPTERS]
+    models = [LORA_MODEL, *ADAPTERS]
     alone = {model: completion(rest, model, prompt=CAPITAL_PROMPT, logprobs=1) for model in models}
     assert len({text(reply) for reply in alone.values()}) == len(models)
     mixed = [model for _ in range(3) for model in models]
@@ -236,7 +168,7 @@ def test_fields_work_with_an_adapter_and_follow_it(rest: httpx.Client, fields: d
     if "guided_choice" in fields:
         assert text(first) in fields["guided_choice"]
     if fields.get("use_beam_search"):
-        base = completion(rest, MODEL, prompt=CAPITAL_PROMPT, **fields)
+        base = completion(rest, LORA_MODEL, prompt=CAPITAL_PROMPT, **fields)
         assert [c["text"] for c in first["choices"]] != [c["text"] for c in base["choices"]]
 
 
@@ -244,7 +176,7 @@ def test_an_unknown_model_is_404_listing_the_served_names(rest: httpx.Client) ->
     response = rest.post("/v2/completions", json={"model": "a3", "prompt": "Hi"})
     assert response.status_code == 404
     message = response.text
-    for name in (MODEL, *ADAPTERS):
+    for name in (LORA_MODEL, *ADAPTERS):
         assert f"`{name}`" in message
 
 
@@ -270,8 +202,40 @@ def error_lines(stderr: str) -> list[str]:
     return [line for line in lines if line.startswith("llm-completions: error:")]
 
 
-def test_a_bad_adapter_path_fails_start_up_naming_it(tmp_path: Path) -> None:
-    code, stderr, seconds = serve_and_fail("--lora-modules", f"broken={tmp_path / 'missing'}")
+def foreign_adapter(adapter: Path, target: Path) -> Path:
+    """The adapter's weights, declared as trained on another base model."""
+    target.mkdir()
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = "meta-llama/Llama-3.2-1B"
+    (target / "adapter_config.json").write_text(json.dumps(config))
+    (target / "adapter_model.safetensors").write_bytes(
+        (adapter / "adapter_model.safetensors").read_bytes()
+    )
+    return target
+
+
+@pytest.fixture(scope="module")
+def refused_starts(
+    model_dir: Path, adapter_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[int, str, float]]:
+    """Servers given a bad adapter, started side by side: each one's exit code, stderr and
+    seconds."""
+    root = tmp_path_factory.mktemp("refused")
+    wide = build_adapter(model_dir, root / "wide", seed=3, rank=16)
+    flags = {
+        "broken": ("--lora-modules", f"broken={root / 'missing'}"),
+        "wide": ("--lora-modules", f"wide={wide}", "--max-lora-rank", "8"),
+        "other": ("--lora-modules", f"other={foreign_adapter(adapter_dirs['a1'], root / 'other')}"),
+    }
+    with ThreadPoolExecutor(len(flags)) as pool:
+        ended = pool.map(lambda given: serve_and_fail(*given), flags.values())
+        return dict(zip(flags, ended, strict=True))
+
+
+def test_a_bad_adapter_path_fails_start_up_naming_it(
+    refused_starts: dict[str, tuple[int, str, float]],
+) -> None:
+    code, stderr, seconds = refused_starts["broken"]
     assert code != 0
     assert seconds < QUICK_FAILURE_SECONDS  # before any engine starts
     assert len(error_lines(stderr)) == 1, stderr
@@ -280,50 +244,41 @@ def test_a_bad_adapter_path_fails_start_up_naming_it(tmp_path: Path) -> None:
 
 
 def test_an_adapter_over_max_lora_rank_fails_start_up_naming_it(
-    model_dir: Path, tmp_path: Path
+    refused_starts: dict[str, tuple[int, str, float]],
 ) -> None:
-    wide = build_adapter(model_dir, tmp_path / "wide", seed=3, rank=16)
-    code, stderr, _ = serve_and_fail("--lora-modules", f"wide={wide}", "--max-lora-rank", "8")
+    code, stderr, _ = refused_starts["wide"]
     assert code != 0
     [line] = error_lines(stderr)
     assert "`wide`" in line and "16" in line and "--max-lora-rank 8" in line
 
 
 def test_an_adapter_of_another_base_model_fails_start_up_naming_it(
-    adapter_dirs: dict[str, Path], tmp_path: Path
+    refused_starts: dict[str, tuple[int, str, float]],
 ) -> None:
-    other = tmp_path / "other"
-    other.mkdir()
-    config = json.loads((adapter_dirs["a1"] / "adapter_config.json").read_text())
-    config["base_model_name_or_path"] = "meta-llama/Llama-3.2-1B"
-    (other / "adapter_config.json").write_text(json.dumps(config))
-    (other / "adapter_model.safetensors").write_bytes(
-        (adapter_dirs["a1"] / "adapter_model.safetensors").read_bytes()
-    )
-    code, stderr, _ = serve_and_fail("--lora-modules", f"other={other}")
+    code, stderr, _ = refused_starts["other"]
     assert code != 0
     [line] = error_lines(stderr)
     assert "`other`" in line and "Llama-3.2-1B" in line
 
 
 def test_adapters_are_listed_with_their_base_model_as_parent(
-    rest: httpx.Client, adapter_stack: TestStack
+    rest: httpx.Client, lora_stack: TestStack
 ) -> None:
-    client = openai.OpenAI(base_url=f"{adapter_stack.base_url}/v2", api_key="unused")
+    client = openai.OpenAI(base_url=f"{lora_stack.base_url}/v2", api_key="unused")
     listed = {model.id: model for model in client.models.list()}
-    assert list(listed) == [MODEL, *ADAPTERS]
-    assert listed[MODEL].parent is None  # type: ignore[attr-defined]
-    assert all(listed[name].parent == MODEL for name in ADAPTERS)  # type: ignore[attr-defined]
+    assert list(listed) == [LORA_MODEL, *ADAPTERS]
+    assert listed[LORA_MODEL].parent is None  # type: ignore[attr-defined]
+    assert all(listed[name].parent == LORA_MODEL for name in ADAPTERS)  # type: ignore[attr-defined]
     assert client.models.retrieve("a1").id == "a1"
-    info = rest.get(f"/v2/models/{MODEL}").json()
+    info = rest.get(f"/v2/models/{LORA_MODEL}").json()
     assert info["adapters"] == list(ADAPTERS)
-    assert rest.get("/v2/models/a2").json()["parent"] == MODEL
+    assert rest.get("/v2/models/a2").json()["parent"] == LORA_MODEL
 
 
 def test_an_adapter_tokenizes_as_its_base_model(rest: httpx.Client) -> None:
     counts = [
         rest.post("/v2/tokenize", json={"model": name, "prompt": CAPITAL_PROMPT}).json()["count"]
-        for name in (MODEL, *ADAPTERS)
+        for name in (LORA_MODEL, *ADAPTERS)
     ]
     assert (
         counts[0]
@@ -354,14 +309,14 @@ def adapters(listed: str) -> set[str]:
 
 
 def test_lora_requests_info_names_the_running_adapters_and_the_slots(
-    rest: httpx.Client, adapter_stack: TestStack
+    rest: httpx.Client, lora_stack: TestStack
 ) -> None:
     """vllm:lora_requests_info as vLLM publishes it: `running_lora_adapters` names the adapter
     of a request being generated, both lists are empty once it has finished, and `max_lora` is
     the engine's adapter slots: --max-loras, plus the one the base model's stand-in takes
     where the CPU LoRA workaround is on (service/model/cpu_lora_fix.py)."""
-    args = adapter_stack.service_args
-    metrics_url = f"http://127.0.0.1:{args[args.index('--metrics-port') + 1]}/metrics"
+    args = lora_stack.service_args
+    metrics_url = lora_stack.metrics_url
     max_loras = int(args[args.index("--max-loras") + 1])
     payload = {"model": "a1", "prompt": CAPITAL_PROMPT, "max_tokens": 64, "ignore_eos": True}
     during: dict[str, str] = {}

@@ -2,7 +2,7 @@
 its scheduler orders them and its gauges show them, and only a backlog past the bounds is
 refused (429 / RESOURCE_EXHAUSTED with a retry hint), at once and without harm to the rest.
 
-The session stack runs the default bounds; a second stack runs an engine with a batch of 4,
+The session stack runs the default bounds; the session's small engine runs a batch of 4,
 priority scheduling and small backlog bounds, so that waiting, refusing and ordering show
 within seconds."""
 
@@ -14,9 +14,8 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -28,15 +27,23 @@ from llmcompletions.v2 import completions_pb2_grpc
 from llmcompletions.v2.completions_pb2 import CreateChatCompletionRequest, CreateCompletionRequest
 
 from service.api.errors import OverloadedError
-from tests.conftest import API_KEY, AUTH_HEADERS, ENGINE_START_TIMEOUT, MODEL, SMALL_ENGINE
+from tests.conftest import (
+    API_KEY,
+    AUTH_HEADERS,
+    BOS_MODEL,
+    MODEL,
+    SMALL_BATCH,
+    SMALL_QUEUED_REQS,
+    SMALL_QUEUED_TOKENS,
+    SmallStack,
+)
 from tests.metrics import GaugeWatch, scrape
-from tests.processes import TestStack, free_port
+from tests.processes import TestStack
 
 OLD_FRONTEND_LIMIT = 32 + 128  # what the frontend used to admit and hold, whatever the engine
 BURST_PER_SURFACE = 256
-BATCH = 4  # the small engine's max_num_seqs
-QUEUED_REQS = 40  # its --max-num-queued-reqs
-QUEUED_TOKENS = 2000  # its --max-num-queued-tokens
+# The small engine's max_num_seqs, --max-num-queued-reqs and --max-num-queued-tokens.
+BATCH, QUEUED_REQS, QUEUED_TOKENS = SMALL_BATCH, SMALL_QUEUED_REQS, SMALL_QUEUED_TOKENS
 RETRY_AFTER = str(OverloadedError.retry_after_seconds)
 REFUSED_WITHIN_SECONDS = 1.0
 RSS_GROWTH_BOUND = 128 * 1024 * 1024
@@ -70,7 +77,8 @@ class Outcome:
 
 
 def completion(prompt: str | list[int], **fields: Any) -> dict[str, Any]:
-    return {"model": MODEL, "prompt": prompt, "stream": True, "ignore_eos": True, **fields}
+    """A streamed completion for whichever model the surfaces serve."""
+    return {"prompt": prompt, "stream": True, "ignore_eos": True, **fields}
 
 
 async def rest_stream(client: httpx.AsyncClient, payload: dict[str, Any]) -> Outcome:
@@ -123,17 +131,22 @@ class Surfaces:
     rest: httpx.AsyncClient
     grpc: completions_pb2_grpc.CompletionServiceStub
     grpc_metadata: tuple[tuple[str, str], ...] = ()
+    model: str = MODEL
 
     def rest_call(self, payload: dict[str, Any]) -> Any:
-        return rest_stream(self.rest, payload)
+        return rest_stream(self.rest, {"model": self.model, **payload})
 
-    def grpc_call(self, payload: dict[str, Any]) -> Any:
-        return grpc_stream(self.grpc, payload, self.grpc_metadata)
+    def grpc_call(self, payload: dict[str, Any], metadata: tuple[tuple[str, str], ...] = ()) -> Any:
+        request = {"model": self.model, **payload}
+        return grpc_stream(self.grpc, request, self.grpc_metadata + metadata)
 
 
 @contextlib.asynccontextmanager
 async def surfaces(
-    stack: TestStack, headers: dict[str, str], metadata: tuple[tuple[str, str], ...]
+    stack: TestStack,
+    headers: dict[str, str],
+    metadata: tuple[tuple[str, str], ...],
+    model: str = MODEL,
 ) -> AsyncIterator[Surfaces]:
     # As many connections as requests: each REST call in flight holds one.
     limits = httpx.Limits(max_connections=2 * BURST_PER_SURFACE)
@@ -143,7 +156,8 @@ async def surfaces(
         ) as rest,
         grpc.aio.insecure_channel(stack.grpc_target) as channel,
     ):
-        yield Surfaces(rest, completions_pb2_grpc.CompletionServiceStub(channel), metadata)
+        stub = completions_pb2_grpc.CompletionServiceStub(channel)
+        yield Surfaces(rest, stub, metadata, model)
 
 
 def tree_rss(pid: int) -> int:
@@ -197,28 +211,13 @@ def test_a_burst_far_past_the_old_limits_is_served_in_full_on_both_surfaces(
 
 
 @pytest.fixture(scope="module")
-def small(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestStack]:
-    metrics_port = free_port()
-    running = TestStack(
-        grpc_port=free_port(),
-        http_port=free_port(),
-        admin_port=free_port(),
-        service_args=[
-            *SMALL_ENGINE,
-            *("--metrics-port", str(metrics_port)),
-            *("--max-num-seqs", str(BATCH), "--scheduling-policy", "priority"),
-            *("--max-num-queued-reqs", str(QUEUED_REQS)),
-            *("--max-num-queued-tokens", str(QUEUED_TOKENS)),
-        ],
-        service_log=tmp_path_factory.mktemp("capacity") / "service.log",
-    )
-    running.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"  # type: ignore[attr-defined]
-    with running.running(ENGINE_START_TIMEOUT):
-        yield running
+def small(small_stack: SmallStack) -> TestStack:
+    """The session's small engine (tests/test_service_lifecycle.py uses it next, and stops it)."""
+    return small_stack.stack
 
 
 def small_metrics(small: TestStack) -> str:
-    return small.metrics_url  # type: ignore[attr-defined, no-any-return]
+    return small.metrics_url
 
 
 def test_the_small_engine_shows_its_limits(small: TestStack) -> None:
@@ -236,7 +235,7 @@ def test_the_engine_runs_its_batch_and_no_more_and_the_rest_waits_in_view(
     requests = 4 * BATCH
 
     async def load() -> list[Outcome]:
-        async with surfaces(small, {}, ()) as on:
+        async with surfaces(small, {}, (), BOS_MODEL) as on:
             payload = completion("Count to ten:", max_tokens=12)
             return await asyncio.gather(*(on.grpc_call(payload) for _ in range(requests)))
 
@@ -269,7 +268,7 @@ async def occupied_batch(
 
 async def chat_calls(on: Surfaces) -> list[Outcome]:
     """One chat request on each surface, whole: how each ended."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    body = {"model": on.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     rest = Outcome("", started=time.monotonic())
     response = await on.rest.post("/v2/chat/completions", json=body)
     rest.status, rest.detail = str(response.status_code), response.text
@@ -300,7 +299,7 @@ def test_past_the_backlog_bound_requests_are_refused_at_once_and_the_rest_is_ser
     service_pid = small.processes[0].pid
 
     async def scenario() -> tuple[list[Outcome], list[Outcome], int]:
-        async with surfaces(small, {}, ()) as on:
+        async with surfaces(small, {}, (), BOS_MODEL) as on:
             # The first holder fills the batch long enough for the flood; the rest wait.
             holding = await occupied_batch(on, metrics_url, max_tokens=48, n=BATCH)
             held = completion("Tell me a story.", max_tokens=4, n=BATCH, temperature=1.0)
@@ -338,7 +337,7 @@ def test_a_full_prefill_backlog_is_refused_until_it_drains(small: TestStack) -> 
     long_prompt = list(range(1000, 1000 + QUEUED_TOKENS // 5))  # five of them fill the bound
 
     async def scenario() -> tuple[list[Outcome], Outcome, Outcome]:
-        async with surfaces(small, {}, ()) as on:
+        async with surfaces(small, {}, (), BOS_MODEL) as on:
             batch = await occupied_batch(on, metrics_url, max_tokens=400)
             waiting = [
                 asyncio.ensure_future(on.rest_call(completion(long_prompt, max_tokens=1)))
@@ -367,7 +366,7 @@ def test_a_high_priority_request_starts_before_earlier_low_priority_ones(
     low_requests = BATCH + 24
 
     async def scenario() -> tuple[list[Outcome], Outcome, float, int]:
-        async with surfaces(small, {}, ()) as on:
+        async with surfaces(small, {}, (), BOS_MODEL) as on:
             lows = await occupied_batch(on, metrics_url, max_tokens=32, priority=10)
             low = completion("Count:", max_tokens=4, priority=10)
             lows += [asyncio.ensure_future(on.grpc_call(low)) for _ in range(low_requests - BATCH)]
@@ -409,11 +408,9 @@ def test_a_queued_request_is_cancelled_by_its_id_and_leaves_the_queue(small: Tes
     tagged = (("x-request-id", request_id),)
 
     async def scenario() -> tuple[list[Outcome], Outcome, int]:
-        async with surfaces(small, {}, ()) as on:
+        async with surfaces(small, {}, (), BOS_MODEL) as on:
             running = await occupied_batch(on, metrics_url, max_tokens=64)
-            queued = asyncio.ensure_future(
-                grpc_stream(on.grpc, completion("Count:", max_tokens=8), tagged)
-            )
+            queued = asyncio.ensure_future(on.grpc_call(completion("Count:", max_tokens=8), tagged))
             await gauge_reaches(metrics_url, "vllm:num_requests_waiting", 1)
             answer = await on.rest.post(f"/v2/completions/{request_id}/cancel")
             assert answer.status_code == 200, answer.text

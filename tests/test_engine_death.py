@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import psutil
@@ -14,27 +12,19 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from llmcompletions.v2 import completions_pb2_grpc
 
-from tests.conftest import ENGINE_START_TIMEOUT, MODEL, SMALL_ENGINE
+from tests.conftest import MODEL, FleetReplicas
 from tests.helpers import grpc_request
-from tests.processes import TestStack, free_port
+from tests.processes import TestStack
 
 ERROR_WITHIN_SECONDS = 10
 EXIT_WITHIN_SECONDS = 60
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[TestStack]:
-    running = TestStack(
-        grpc_port=free_port(),
-        service_args=[*SMALL_ENGINE, "--metrics-port", str(free_port())],
-        service_log=tmp_path_factory.getbasetemp() / "engine-death-service.log",
-    )
-    running.start(with_envoy=False)
-    try:
-        running.wait_ready_service(ENGINE_START_TIMEOUT)
-        yield running
-    finally:
-        running.stop()
+def service(fleet_replicas: FleetReplicas) -> TestStack:
+    """A replica of the session's fleet still running (the routing tests kill the other): its
+    engine dies here, and the replica with it."""
+    return fleet_replicas.alive()[0]
 
 
 def engine_core(pid: int) -> psutil.Process:

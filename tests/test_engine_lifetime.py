@@ -1,16 +1,14 @@
-"""The engine's processes never outlive the server: killed outright (SIGKILL, as the OOM
-killer does) the server takes its engine core and workers with it and frees its port; stopped
-at any moment of its start, with SIGTERM or SIGKILL, it exits at once and leaves no process.
-(Started beside the session's engine with automatic binding, the service also warns that they
-share cores, and moves its engine core onto the cores vLLM bound its worker to.)"""
+"""The engine's processes never outlive the server: stopped at any moment of its start, with
+SIGTERM or SIGKILL, a replica exits at once and leaves no process. (Killed outright once it
+serves: tests/test_multi_replica.py, where a replica of a fleet is SIGKILLed. Started beside
+another engine with automatic binding: tests/test_service_lifecycle.py.)"""
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +17,7 @@ import pytest
 
 from service.model.lifetime import ENGINE_PARENT_ENV
 from tests.conftest import ENGINE_START_TIMEOUT, SMALL_ENGINE
-from tests.processes import TestStack, free_port, thread_affinities
+from tests.processes import TestStack, free_port
 
 ENGINE_PROCESS_PREFIX = "VLLM::"
 GONE_WITHIN_SECONDS = 5.0
@@ -53,60 +51,6 @@ def wait_gone(processes: list[psutil.Process], timeout: float) -> None:
     for process in left:
         process.kill()
     assert not left, f"still running {timeout:.0f}s later: {left}"
-
-
-@pytest.fixture
-def service(tmp_path: Path) -> Iterator[TestStack]:
-    running = TestStack(
-        grpc_port=free_port(),
-        service_args=[*SMALL_ENGINE, "--metrics-port", str(free_port())],
-        service_log=tmp_path / "service.log",
-    )
-    running.start(with_envoy=False)
-    try:
-        yield running
-    finally:
-        running.stop()
-
-
-def assert_warned_about_shared_cores(service: TestStack) -> None:
-    """It bound automatically while another engine (the session's) ran on this host."""
-    assert service.service_log is not None
-    warnings = [
-        line
-        for line in service.service_log.read_text().splitlines()
-        if "WARNING" in line and "beside another vLLM engine" in line
-    ]
-    assert len(warnings) == 1 and "--cpu-cores" in warnings[0]
-
-
-def assert_engine_core_beside_its_worker(engines: list[psutil.Process]) -> None:
-    """With automatic binding, the engine core's threads all sit on the worker's bound cores."""
-    (worker,) = [p for p in engines if p.name() == "VLLM::Worker"]
-    (engine_core,) = [p for p in engines if p.name() == "VLLM::EngineCore"]
-    anywhere = os.sched_getaffinity(0)
-    worker_cores = set().union(*(c for c in thread_affinities(worker) if c < anywhere))
-    assert worker_cores and worker_cores < anywhere
-    assert all(cores == worker_cores for cores in thread_affinities(engine_core))
-
-
-def test_a_killed_server_leaves_no_engine_process_and_frees_its_port(
-    stack: TestStack, service: TestStack
-) -> None:
-    service.wait_ready_service(ENGINE_START_TIMEOUT)
-    assert_warned_about_shared_cores(service)
-    server = psutil.Process(service.processes[0].pid)
-    engines = engine_processes(server)
-    assert {p.name() for p in engines} >= {"VLLM::EngineCore", "VLLM::Worker"}, engines
-    assert_engine_core_beside_its_worker(engines)
-    server.send_signal(signal.SIGKILL)
-    service.processes[0].wait(timeout=10)
-    wait_gone(engines, GONE_WITHIN_SECONDS)
-    # The port is free at once: a restarted replica can listen on it.
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", service.grpc_port))
-        sock.listen()
 
 
 # The moments of a start at which an orchestrator may stop a replica (a rolling update, a failed
@@ -173,6 +117,7 @@ def start_replica(tmp_path: Path, signum: signal.Signals) -> Starting:
         grpc_port=free_port(),
         service_args=[*SMALL_ENGINE, "--metrics-port", str(free_port())],
         service_log=tmp_path / f"service-{signum.name}.log",
+        engine="lifetime",
     )
     replica.start(with_envoy=False)
     return Starting(replica, signum)

@@ -46,6 +46,7 @@ from llmcompletions.client import CompletionClient
 from image.containerfile import Containerfile, exec_form
 from service.model.default_model import COMPLETE_MARKER, DEFAULT_SERVED_MODEL_NAME
 from tests.conftest import ENGINE_START_TIMEOUT
+from tests.engines import STARTS
 from tests.processes import free_port, port_open
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="runs the replica as another user")
@@ -403,6 +404,7 @@ def replica(rootfs: Rootfs, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     before = directory_times(rootfs.install, rootfs.home, rootfs.entrypoint.parent)
     port = free_port()
     started = time.time()
+    STARTS.record("image")
     process = rootfs.run([], log, GRPC_PORT=str(port), METRICS_PORT=str(free_port()))
     try:
         clock = time.monotonic()

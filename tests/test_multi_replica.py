@@ -7,8 +7,9 @@ through Envoy the whole time:
    and a health Watch stream open to it: no client fails, the drain lasts the delay plus the
    rest of the longest request in flight, and the process is gone right after `stopped`.
 3. It restarts on the same ports and rejoins rotation within seconds of SERVING.
-4. The other replica is SIGKILLed: only the requests in flight on it fail, and every request
-   sent a few seconds later succeeds.
+4. The other replica's server is SIGKILLed, as the OOM killer does: its engine's processes
+   die with it and its port is free at once; only the requests in flight on it fail, and
+   every request sent a few seconds later succeeds.
 
 Tests run in file order and share the replicas and the traffic (small engines, so that two fit
 on this machine). Each prints what it measured; docs/scaling-out/fleet.md ("Measured") reports
@@ -123,6 +124,7 @@ class Replica:
             ],
             env={"LOG_FORMAT": "json"},
             service_log=log,
+            engine="multi-replica",
         )
         return cls(stack, metrics_port, log)
 
@@ -157,9 +159,17 @@ class Replica:
         return [main, *main.children(recursive=True)]
 
     def kill(self) -> None:
+        """Every process of it, the engine's too (to clean up after a test)."""
         for process in reversed(self.processes()):
             process.kill()
         self.process.wait()
+
+    def kill_server(self) -> list[psutil.Process]:
+        """SIGKILL to the server alone, as the OOM killer sends it; its engine's processes."""
+        engine = self.processes()[1:]
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait()
+        return engine
 
     def events(self, since: float) -> dict[str, float]:
         """When the server logged each of its messages (the first time) since `since`."""
@@ -597,8 +607,15 @@ def test_a_killed_replica_costs_only_the_requests_in_flight_on_it(cluster: Clust
     )
     in_flight = cluster.watcher.hosts()[cluster.replicas[1].host]["rq_active"]
     killed = time.time()
-    cluster.replicas[1].kill()
+    engine = cluster.replicas[1].kill_server()
     dead = time.time()  # SIGKILL takes a moment: requests sent until then may reach it
+    # The engine's processes die with the server (the kernel signals them), and its port is
+    # free at once for a replica started in its place.
+    assert not left_behind(engine, timeout=5), "the engine's processes outlived the server"
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", cluster.replicas[1].stack.grpc_port))
+        sock.listen()
     out = cluster.watcher.wait_for(lambda s: not s.healthy[1], killed, 10)
     time.sleep(KILL_SETTLE + 10)
     failed = cluster.traffic.failed_after(killed)

@@ -1,8 +1,8 @@
-"""Prefix-cache affinity through a real Envoy in front of two real replicas (each on a core of
-its own, with a LoRA adapter), Envoy started as `facade.launch` starts it by default:
+"""Prefix-cache affinity through a real Envoy in front of the session's fleet of two real
+replicas (each on a core of its own), Envoy started as `facade.launch` starts it by default:
 requests that share a model and leading prompt land on one replica (REST whole and streamed,
 gRPC, text and token ids), whose prefix cache then serves them; instructions every prompt
-shares do not pull the documents after them onto one replica; adapters are keyed apart;
+shares do not pull the documents after them onto one replica; each model is keyed apart;
 calls without a prompt carry no key; hostile prompts get answers, with no Lua error and the
 picker unharmed; a hot prefix spills to the other replica under load; Envoys sharing one
 picker keep each prefix on one replica; a killed replica's prefixes move to the other without
@@ -47,7 +47,7 @@ from facade.balancing import PATH_HEADER, PrefixAffinity
 from facade.picker.policy import PromptPath
 from facade.picker.protocol import DESTINATION_HEADER
 from tests.certificates import CertificateAuthority
-from tests.conftest import ENGINE_START_TIMEOUT, MODEL, SMALL_ENGINE
+from tests.conftest import MODEL, FleetReplicas
 from tests.helpers import body, grpc_request
 from tests.metrics import engine_block_tokens, sample
 from tests.processes import (
@@ -58,13 +58,13 @@ from tests.processes import (
     lua_errors,
     shared_picker,
 )
-from tests.test_adapters import build_adapter
 from tests.test_fuzz import fuzz_grpc, fuzz_rest, models, prompts
 from tests.test_grpc_tooling import grpcurl
 
 CREATE_COMPLETION_METHOD = "llmcompletions.v2.CompletionService/CreateCompletion"
 
-ADAPTER = "sql"
+# An adapter's name the fleet does not serve: routed and keyed like any model, answered 404.
+UNSERVED_MODEL = "sql"
 KEY_HEADER = "x-prefix-key"
 HOST_HEADER = "x-upstream-host"
 RING_SETTLE_SECONDS = 2.0
@@ -87,32 +87,10 @@ class Fleet:
 
 
 @pytest.fixture(scope="module")
-def fleet(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    root = tmp_path_factory.mktemp("prefix-routing")
-    adapter = build_adapter(model_dir, root / ADAPTER, seed=5)
-    replicas = [
-        TestStack(
-            grpc_port=free_port(),
-            service_args=[
-                *SMALL_ENGINE,
-                *("--cpu-cores", str(core)),
-                *("--lora-modules", f"{ADAPTER}={adapter}"),
-                *("--metrics-port", str(free_port())),
-            ],
-            service_log=root / f"replica-{core}.log",
-        )
-        for core in range(2)
-    ]
-    for replica in replicas:
-        replica.start(with_envoy=False)
-    try:
-        for replica in replicas:
-            replica.wait_ready_service(ENGINE_START_TIMEOUT)
-        with facade(replicas) as running:
-            yield running
-    finally:
-        for replica in replicas:
-            replica.stop()
+def fleet(fleet_replicas: FleetReplicas) -> Iterator[Fleet]:
+    """The session's two replicas behind an Envoy of this module's."""
+    with facade(fleet_replicas.replicas) as running:
+        yield running
 
 
 @contextlib.contextmanager
@@ -339,9 +317,10 @@ def test_token_id_prompts_are_keyed_by_their_leading_ids(fleet: Fleet) -> None:
         assert len(hosts) == 1, hosts
 
 
-def key_of(fleet: Fleet, **fields: Any) -> str:
+def key_of(fleet: Fleet, status: int = 200, **fields: Any) -> str:
+    """The routing key Envoy gave a completion (its --debug-headers show it)."""
     reply = httpx.post(f"{fleet.base_url}/v2/completions", json=body(**fields), timeout=120)
-    assert reply.status_code == 200, reply.text[:300]
+    assert reply.status_code == status, reply.text[:300]
     return reply.headers[KEY_HEADER]
 
 
@@ -386,10 +365,15 @@ def test_a_batch_of_token_id_prompts_is_keyed_by_its_first_prompts_lead(fleet: F
     assert batch.keys == alone.keys[: len(batch.keys)]
 
 
-def test_adapters_of_a_pool_are_keyed_apart(fleet: Fleet) -> None:
+def test_each_model_of_a_pool_is_keyed_apart(fleet: Fleet) -> None:
+    """The key covers the model: an adapter's prompts are kept apart from the base model's
+    (whose cache blocks they cannot use). Keying happens before any replica sees the call, so
+    a name these replicas do not serve is keyed the same way, then answered 404."""
     prompt = shared_prefix("adapters")
     base = {key_of(fleet, prompt=prompt, max_tokens=1) for _ in range(2)}
-    adapter = {key_of(fleet, model=ADAPTER, prompt=prompt, max_tokens=1) for _ in range(2)}
+    adapter = {
+        key_of(fleet, 404, model=UNSERVED_MODEL, prompt=prompt, max_tokens=1) for _ in range(2)
+    }
     assert len(base) == len(adapter) == 1 and base != adapter
 
 
@@ -408,7 +392,7 @@ def test_calls_without_a_prompt_carry_no_key(fleet: Fleet) -> None:
 # Token ids that JSON cannot carry (or that no vocabulary has), sent over gRPC.
 UNREPRESENTABLE_IDS = ([math.nan], [math.inf, 1.0], [-math.inf], [2.0**40], [-1.0], [0.5])
 routing_bodies = st.fixed_dictionaries(
-    {"model": models | st.just(ADAPTER), "prompt": prompts, "max_tokens": st.just(1)}
+    {"model": models | st.just(UNSERVED_MODEL), "prompt": prompts, "max_tokens": st.just(1)}
 )
 
 

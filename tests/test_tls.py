@@ -130,6 +130,7 @@ def tls_stack(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Te
             "UPSTREAM_KEY_FILE": str(pki.envoy_client.key_file),
         },
         service_log=tmp_path_factory.mktemp("tls") / "service.log",
+        engine="tls",
     )
     with running.running(ENGINE_START_TIMEOUT):
         yield running

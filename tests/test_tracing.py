@@ -17,16 +17,14 @@ import httpx
 import pytest
 from llmcompletions.v2 import completions_pb2_grpc
 
-from tests.conftest import API_KEY, ENGINE_START_TIMEOUT, GRPC_AUTH, MODEL, SMALL_ENGINE
+from tests.conftest import API_KEY, GRPC_AUTH, MODEL, TRACE_BATCH_ENV, FleetReplicas
 from tests.helpers import body, grpc_request
 from tests.otlp import SERVER_KIND, OtlpReceiver, ReceivedSpan, children, named
-from tests.processes import TestStack, free_port
+from tests.processes import TestStack
 from tests.test_prefix_routing import Fleet, facade
 
 SERVICE_SPAN = "llmcompletions.v2.CompletionService/CreateCompletion"
 PICKER_CALL = "async envoy.service.ext_proc.v3.ExternalProcessor.Process egress"
-# Spans go out in batches: every 0.2 s here (the SDK's default is 5 s).
-BATCH_ENV = {"OTEL_BSP_SCHEDULE_DELAY": "200"}
 # Envoy's clock and the service's are the host's; vLLM stamps its span from its own reading.
 CLOCK_SLACK_NS = 5_000_000
 # Without a collector a request takes what it takes with one (measured: about 0.3 s for this
@@ -41,38 +39,15 @@ class TracedFleet:
 
 
 @pytest.fixture(scope="module")
-def traced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TracedFleet]:
-    root = tmp_path_factory.mktemp("tracing")
-    receiver = OtlpReceiver()
-    tracing = ["--otlp-traces-endpoint", receiver.endpoint]
-    replicas = [
-        TestStack(
-            grpc_port=free_port(),
-            service_args=[
-                *SMALL_ENGINE,
-                *("--cpu-cores", str(core)),
-                *("--metrics-port", str(free_port())),
-                *tracing,
-            ],
-            service_log=root / f"replica-{core}.log",
-            env=BATCH_ENV,
-        )
-        for core in range(2)
-    ]
+def traced(fleet_replicas: FleetReplicas) -> Iterator[TracedFleet]:
+    """The session's fleet (its replicas send their spans to its receiver) behind an Envoy
+    and a picker of this module's that send theirs there too."""
+    receiver = fleet_replicas.receiver
     with pytest.MonkeyPatch.context() as environment:
-        for name, value in BATCH_ENV.items():
+        for name, value in TRACE_BATCH_ENV.items():
             environment.setenv(name, value)  # Envoy's picker, started by facade.launch
-        for replica in replicas:
-            replica.start(with_envoy=False)
-        try:
-            for replica in replicas:
-                replica.wait_ready_service(ENGINE_START_TIMEOUT)
-            with facade(replicas, *tracing) as fleet:
-                yield TracedFleet(receiver, fleet)
-        finally:
-            for replica in replicas:
-                replica.stop()
-            receiver.stop()
+        with facade(fleet_replicas.replicas, "--otlp-traces-endpoint", receiver.endpoint) as fleet:
+            yield TracedFleet(receiver, fleet)
 
 
 def caller_context() -> tuple[str, str, str]:
@@ -242,7 +217,7 @@ def test_with_tracing_off_nothing_is_sent(stack: TestStack, tmp_path: Path) -> N
 
 
 def test_a_collector_that_is_down_costs_a_request_nothing(traced: TracedFleet) -> None:
-    """Last: it stops the module's receiver."""
+    """Last of the fleet's tests that read spans: it stops the fleet's receiver."""
     traced.receiver.stop()
     for _ in range(3):
         started = time.monotonic()

@@ -1,0 +1,155 @@
+"""The engines the real-process suite starts, in one place.
+
+Starting an engine is the suite's largest cost (about 50 s on a 2-core host: three processes
+each importing torch and vLLM), so every configuration is declared here with the number of
+times a whole run may start it (START_BUDGET), and the session's summary shows how many times
+each was started and fails the run past its budget. tests/unit/test_engine_budget.py checks
+statically that every start names one of these and that no two places build the same engine.
+
+Shared engines (SHARED) serve every test that needs that configuration: each is started once,
+those of a group together (their imports run side by side on the host's cores), and stopped
+as soon as no test left in the session needs it, so that few are alive at once. A test gets
+its own engine only where it stops, kills, restarts or reconfigures it."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+logger = logging.getLogger(__name__)
+
+# Start-ups a whole run may make, by configuration, and why each is its own.
+START_BUDGET: dict[str, int] = {
+    # Shared for the session.
+    "main": 1,  # the default stack (conftest): 2048-token context, keys, chat flags, faults
+    "vllm": 1,  # vLLM's own OpenAI server on the same model: the parity baseline
+    "lora": 1,  # ours with two adapters, under a name of its own: adapters, pools
+    "vllm-lora": 1,  # vLLM's server with the same adapters: adapter parity
+    "fleet": 2,  # two replicas on their own cores, traced: routing, tracing, engine death
+    "small": 1,  # batch of 4, priority, small backlog bounds, a BOS tokenizer: capacity, lifecycle
+    # One module's own, each stopped, killed, restarted or reconfigured by its tests.
+    "tls": 1,  # serves TLS and requires client certificates
+    # Two replicas joining a fresh Envoy under traffic, one drained and restarted.
+    "multi-replica": 3,
+    "lifetime": 8,  # stopped at four moments of its start, by SIGTERM and by SIGKILL
+    "image": 1,  # the image's install, started as the image starts it
+}
+
+
+class Engine(Protocol):
+    """A started engine configuration: one server or several."""
+
+    def wait_ready(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+@dataclass
+class Starts:
+    """Every engine start-up of the session, by configuration."""
+
+    counts: Counter[str] = field(default_factory=Counter)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def record(self, name: str, servers: int = 1) -> None:
+        if name not in START_BUDGET:
+            raise AssertionError(f"engine {name!r} is not declared in tests/engines.py")
+        with self.lock:
+            self.counts[name] += servers
+
+    def over_budget(self) -> dict[str, tuple[int, int]]:
+        return {
+            name: (count, START_BUDGET[name])
+            for name, count in self.counts.items()
+            if count > START_BUDGET[name]
+        }
+
+    def summary(self) -> list[str]:
+        total = sum(self.counts.values())
+        lines = [f"engine start-ups: {total} (budget {sum(START_BUDGET.values())})"]
+        lines += [
+            f"  {name}: {self.counts[name]} of {budget}"
+            for name, budget in START_BUDGET.items()
+            if self.counts[name]
+        ]
+        return lines
+
+
+STARTS = Starts()
+
+
+@dataclass
+class SharedEngines:
+    """The shared engines: built by `builders` (each records its own start-up), started when a
+    test first needs one (with the rest of its group that tests still need), and stopped once
+    no remaining test needs them."""
+
+    builders: dict[str, Callable[[], Engine]]
+    groups: Sequence[frozenset[str]] = ()
+    # Engines that must be running before another starts (what its tests observe needs them).
+    requires: dict[str, frozenset[str]] = field(default_factory=dict)
+    running: dict[str, Engine] = field(default_factory=dict)
+    # For each test of the session, in order: the shared engines it and the tests after it need.
+    needed_from: list[frozenset[str]] = field(default_factory=list)
+    position: dict[str, int] = field(default_factory=dict)
+
+    def plan(self, needs: Sequence[tuple[str, frozenset[str]]]) -> None:
+        """The session's tests in order, each (its id, the shared engines it needs)."""
+        self.position = {test_id: index for index, (test_id, _) in enumerate(needs)}
+        later: frozenset[str] = frozenset()
+        needed_from = []
+        for _, engines in reversed(needs):
+            later = later | engines
+            needed_from.append(later)
+        self.needed_from = list(reversed(needed_from))
+
+    def still_needed(self, test_id: str | None) -> frozenset[str]:
+        if test_id is None or test_id not in self.position:
+            return frozenset(self.builders) if test_id is not None else frozenset()
+        return self.needed_from[self.position[test_id]]
+
+    def get(self, name: str, test_id: str) -> Engine:
+        for required in sorted(self.requires.get(name, ())):
+            self.get(required, test_id)
+        if name not in self.running:
+            self.start({name} | self.group_of(name) & self.still_needed(test_id))
+        return self.running[name]
+
+    def group_of(self, name: str) -> frozenset[str]:
+        return next((group for group in self.groups if name in group), frozenset())
+
+    def start(self, names: Iterable[str]) -> None:
+        """Builds and waits for the engines side by side; stops them all if one fails."""
+        wanted = sorted(set(names) - set(self.running))
+        logger.info("starting shared engines: %s", ", ".join(wanted))
+        built: dict[str, Engine] = {}
+
+        def bring_up(name: str) -> None:
+            engine = built[name] = self.builders[name]()
+            engine.wait_ready()
+
+        try:
+            with ThreadPoolExecutor(len(wanted)) as pool:
+                list(pool.map(bring_up, wanted))
+        except BaseException:
+            for engine in built.values():
+                engine.stop()
+            raise
+        self.running.update(built)
+
+    def release_after(self, next_test_id: str | None) -> None:
+        """Stops the engines that no test from `next_test_id` on needs."""
+        if next_test_id is None:
+            return  # the session's end stops the rest
+        for name in sorted(set(self.running) - self.still_needed(next_test_id)):
+            logger.info("stopping shared engine %s: no test left needs it", name)
+            self.running.pop(name).stop()
+
+    def stop_all(self) -> None:
+        for name in list(self.running):
+            self.running.pop(name).stop()
