@@ -104,9 +104,13 @@ class SharedEngines:
         later: frozenset[str] = frozenset()
         needed_from = []
         for _, engines in reversed(needs):
-            later = later | engines
+            later = later | self.with_required(engines)
             needed_from.append(later)
         self.needed_from = list(reversed(needed_from))
+
+    def with_required(self, engines: frozenset[str]) -> frozenset[str]:
+        required = frozenset().union(*(self.requires.get(name, ()) for name in engines))
+        return engines | (self.with_required(required) if required - engines else required)
 
     def still_needed(self, test_id: str | None) -> frozenset[str]:
         if test_id is None or test_id not in self.position:

@@ -12,10 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmcompletions.v2.completions_pb2 import (
-    CreateChatCompletionResponse,
-    CreateCompletionResponse,
-)
+from google.protobuf.message import Message
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -123,14 +120,14 @@ class RequestRecord:
     prompts: list[str] | None = None  # only kept when prompts are logged
     output: str = ""
 
-    def message_sent(
-        self, message: CreateCompletionResponse | CreateChatCompletionResponse
-    ) -> None:
+    def message_sent(self, message: Message) -> None:
         if message is END_OF_EVENTS:
             return  # the REST event stream's end sentinel: no content
         now = time.monotonic()
         if self.prompts is not None:
-            self.output += "".join(choice_text(choice) for choice in message.choices)
+            # Only completions and chats have choices; the other methods' replies add nothing.
+            choices = getattr(message, "choices", ())
+            self.output += "".join(choice_text(choice) for choice in choices)
         if self.first_message_at is None:
             self.first_message_at = now
             FIRST_MESSAGE_SECONDS.observe(now - self.started)

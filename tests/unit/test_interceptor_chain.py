@@ -11,10 +11,15 @@ from typing import Any
 
 import grpc
 import pytest
+from google.protobuf import struct_pb2
 from llmcompletions.v2.completions_pb2 import (
+    CancelCompletionRequest,
+    CancelCompletionResponse,
     Choice,
     CreateCompletionRequest,
     CreateCompletionResponse,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 from xds.data.orca.v3.orca_load_report_pb2 import OrcaLoadReport
 
@@ -218,3 +223,37 @@ def test_no_readable_report_unless_asked() -> None:
     context = FakeContext()
     asyncio.run(drain(chain(two_chunks), CreateCompletionRequest(stream=True), context))
     assert context.initial is not None and "endpoint-load-metrics" not in dict(context.initial)
+
+
+@pytest.mark.parametrize(
+    ("request_message", "reply"),
+    [
+        (
+            TokenizeRequest(model="m", prompt=struct_pb2.Value(string_value="Hi")),
+            TokenizeResponse(),
+        ),
+        (CancelCompletionRequest(request_id="r"), CancelCompletionResponse(request_id="r")),
+    ],
+)
+def test_with_prompts_logged_a_call_without_choices_is_served(
+    request_message: Any, reply: Any
+) -> None:
+    """--log-prompts logs a call's prompt and output; methods whose replies carry no choices
+    (tokenize, cancel) are served and logged all the same."""
+
+    async def unary(request: Any, context: Any) -> AsyncIterator[Any]:
+        yield reply
+
+    interceptor = RequestContextInterceptor(METHODS, log_prompts=True)
+    behaviour = ErrorMappingInterceptor(METHODS, 1 << 20, LoadReports(lambda: LOAD)).around
+    context = FakeContext()
+    served = asyncio.run(
+        drain(
+            lambda r, c: interceptor.around(
+                lambda r2, c2: behaviour(unary, METHOD, r2, c2), METHOD, r, c
+            ),
+            request_message,
+            context,
+        )
+    )
+    assert served == [reply] and context.status is None
