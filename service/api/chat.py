@@ -28,7 +28,7 @@ from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 from vllm.entrypoints.openai.models.protocol import BaseModelPath
 from vllm.entrypoints.openai.models.serving import OpenAIServingModels
 from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-from vllm.exceptions import MaxQueuedTokensError, QueueOverflowError, VLLMValidationError
+from vllm.exceptions import MaxQueuedTokensError, QueueOverflowError
 from vllm.lora.request import LoRARequest
 from vllm.reasoning import ReasoningParserManager
 from vllm.renderers.chat_utils import load_chat_template
@@ -37,8 +37,9 @@ from vllm.tool_parsers import ToolParserManager
 
 from plumbing.tracing import annotate_call, child_span, outgoing_headers
 from service.api.backlog import Backlog
+from service.api.caller_errors import building_request, engine_has_request, error_from
 from service.api.cancellation import CancellableCall
-from service.api.chat_replies import ChatReplies, chat_error, error_from
+from service.api.chat_replies import ChatReplies
 from service.api.chat_requests import validate_chat_request, vllm_request
 from service.api.errors import PriorityNotEnabledError
 from service.model.adapters import ModelCatalog
@@ -87,6 +88,12 @@ class CatalogChat(OpenAIServingChat):
         self, request: Any, supports_default_mm_loras: bool = False
     ) -> LoRARequest | None:
         return self.catalog.resolve(request.model)
+
+    async def chat_completion_full_generator(self, *args: Any, **kwargs: Any) -> Any:
+        # Called once the request is built and with the engine: from here, what fails is the
+        # server's, not the caller's input.
+        with engine_has_request():
+            return await super().chat_completion_full_generator(*args, **kwargs)
 
 
 def chat_serving(model: ServedModel, settings: ChatSettings) -> CatalogChat:
@@ -147,10 +154,10 @@ class ChatHandler:
     ) -> AsyncIterator[CreateChatCompletionResponse]:
         """Yield the one whole reply, or the stream chunks; raise CompletionError (and
         RequestCancelledError once `call` is cancelled)."""
-        with child_span("validate"):
+        with child_span("validate"), building_request():
             self.validate(request)
-        # The engine request ids carry the request id, so engine logs can be matched to it.
-        engine_request = vllm_request(request, f"{record.request_id}-{uuid.uuid4().hex[:8]}")
+            # The engine request ids carry the request id, so engine logs can be matched to it.
+            engine_request = vllm_request(request, f"{record.request_id}-{uuid.uuid4().hex[:8]}")
         call.engine_prefix = f"{VLLM_CHAT_ID_PREFIX}{engine_request.request_id}"
         call.check()
         timed = self.always_metrics or request.return_metrics
@@ -190,11 +197,14 @@ class ChatHandler:
 
     async def prompt_token_ids(self, request: CreateChatCompletionRequest) -> list[int]:
         """The conversation rendered and tokenized exactly as a chat request renders it."""
-        validate_chat_request(
-            request, self.model.vocab_size, self.model.structured_outputs_backend, self.limits
-        )
-        self.model.catalog.resolve(request.model)  # 404 unless served
-        rendered = await self.serving.online_renderer.render_chat(vllm_request(request, "tokenize"))
+        with building_request():
+            validate_chat_request(
+                request, self.model.vocab_size, self.model.structured_outputs_backend, self.limits
+            )
+            self.model.catalog.resolve(request.model)  # 404 unless served
+            rendered = await self.serving.online_renderer.render_chat(
+                vllm_request(request, "tokenize")
+            )
         if isinstance(rendered, ErrorResponse):
             raise error_from(rendered)
         _, engine_inputs = rendered
@@ -211,14 +221,15 @@ class ChatHandler:
         trace_headers: Mapping[str, str],
     ) -> AsyncIterator[CreateChatCompletionResponse]:
         try:
-            result = await self.serving.create_chat_completion(
-                request,
-                traced_request(trace_headers),  # type: ignore[arg-type]
-            )
+            # vLLM renders the conversation and builds the sampling parameters here; a whole
+            # reply is generated here too, under engine_has_request.
+            with building_request():
+                result = await self.serving.create_chat_completion(
+                    request,
+                    traced_request(trace_headers),  # type: ignore[arg-type]
+                )
         except (QueueOverflowError, MaxQueuedTokensError) as error:
             raise self.backlog.refusal(error) from error
-        except VLLMValidationError as error:
-            raise chat_error(400, str(error), error.parameter) from error
         if isinstance(result, ErrorResponse):
             raise error_from(result)
         if isinstance(result, ChatCompletionResponse):
