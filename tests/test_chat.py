@@ -312,6 +312,12 @@ BAD_REQUESTS = {
         422,
         grpc.StatusCode.INVALID_ARGUMENT,
     ),
+    # A grammar that admits nothing: the engine ends the request with finish_reason "error".
+    "a constraint nothing satisfies": (
+        {"guided_grammar": "root ::= root"},
+        422,
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
 }
 
 

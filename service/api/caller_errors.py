@@ -26,7 +26,7 @@ import pydantic
 from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 from vllm.entrypoints.serve.exception_handling.utils import sanitize_message
-from vllm.exceptions import VLLMClientError, VLLMError
+from vllm.exceptions import VLLMClientError, VLLMError, VLLMValidationError
 
 from service.api.errors import (
     MAX_VIOLATION_BYTES,
@@ -136,6 +136,20 @@ def building_request(fallback: Loc = BODY) -> Iterator[None]:
             # Kept findable in the log: a fault of ours would look the same to the caller.
             logger.info("request refused while built: %s: %s", type(error).__name__, error)
         raise caller_error(error, fallback) from error
+
+
+# The engine ends a constrained request with this finish reason when the grammar does not
+# compile in the engine, or allows none of the model's tokens: a constraint nothing satisfies
+# (vLLM's server makes it a 500). Unconstrained, it is the engine's own failure.
+ENGINE_FAILED = "error"
+UNSATISFIABLE_CONSTRAINT = (
+    "the engine could not follow this constraint: it does not compile, or admits no output "
+    "this model can generate"
+)
+
+
+def unsatisfiable_constraint(field: str) -> VLLMValidationError:
+    return VLLMValidationError(UNSATISFIABLE_CONSTRAINT, parameter=field)
 
 
 class EngineSideError(Exception):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import AsyncIterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -37,10 +38,16 @@ from vllm.tool_parsers import ToolParserManager
 
 from plumbing.tracing import annotate_call, child_span, outgoing_headers
 from service.api.backlog import Backlog
-from service.api.caller_errors import building_request, engine_has_request, error_from
+from service.api.caller_errors import (
+    ENGINE_FAILED,
+    building_request,
+    engine_has_request,
+    error_from,
+    unsatisfiable_constraint,
+)
 from service.api.cancellation import CancellableCall
 from service.api.chat_replies import ChatReplies
-from service.api.chat_requests import validate_chat_request, vllm_request
+from service.api.chat_requests import chat_constraint_field, validate_chat_request, vllm_request
 from service.api.errors import PriorityNotEnabledError
 from service.model.adapters import ModelCatalog
 from service.model.engine import ServedModel
@@ -49,6 +56,9 @@ from service.transport.observability import RequestRecord
 
 # vLLM's chat serving names its engine requests "chatcmpl-" and the request's request_id.
 VLLM_CHAT_ID_PREFIX = "chatcmpl-"
+# The field holding the constraint the current call's reply follows, if any (each call runs in
+# its own task, and vLLM's serving reads it there).
+CALL_CONSTRAINT: ContextVar[str | None] = ContextVar("call_constraint", default=None)
 
 
 class ChatSettingsError(ValueError):
@@ -88,6 +98,12 @@ class CatalogChat(OpenAIServingChat):
         self, request: Any, supports_default_mm_loras: bool = False
     ) -> LoRARequest | None:
         return self.catalog.resolve(request.model)
+
+    def _raise_if_error(self, finish_reason: str | None, request_id: str) -> None:
+        constraint = CALL_CONSTRAINT.get()
+        if finish_reason == ENGINE_FAILED and constraint is not None:
+            raise unsatisfiable_constraint(constraint)
+        super()._raise_if_error(finish_reason, request_id)
 
     async def chat_completion_full_generator(self, *args: Any, **kwargs: Any) -> Any:
         # Called once the request is built and with the engine: from here, what fails is the
@@ -158,6 +174,7 @@ class ChatHandler:
             self.validate(request)
             # The engine request ids carry the request id, so engine logs can be matched to it.
             engine_request = vllm_request(request, f"{record.request_id}-{uuid.uuid4().hex[:8]}")
+        CALL_CONSTRAINT.set(chat_constraint_field(request))
         call.engine_prefix = f"{VLLM_CHAT_ID_PREFIX}{engine_request.request_id}"
         call.check()
         timed = self.always_metrics or request.return_metrics

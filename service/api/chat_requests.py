@@ -18,7 +18,12 @@ from llmcompletions.v2.completions_pb2 import (
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
 from service.api.caller_errors import pydantic_violations
-from service.api.constraints import GUIDED_FIELDS, json_value, structured_outputs
+from service.api.constraints import (
+    GUIDED_FIELDS,
+    constraint_field,
+    json_value,
+    structured_outputs,
+)
 from service.api.errors import Loc, RequestValidationError
 from service.api.validation import (
     Violations,
@@ -115,6 +120,17 @@ def chat_constraint_sizes(request: CreateChatCompletionRequest) -> dict[str, int
     sizes = constraint_sizes(request)
     tools = sum(tool.ByteSize() for tool in request.tools)
     return {**sizes, "tools": tools} if tools else sizes
+
+
+def chat_constraint_field(request: CreateChatCompletionRequest) -> str | None:
+    """The field whose constraint the reply follows, if any: a guided_* field or
+    response_format, else the tools when a call of one is forced (their schemas constrain)."""
+    field = constraint_field(request)
+    if field is not None or not request.tools:
+        return field
+    choice = request.tool_choice
+    forced = choice.WhichOneof("kind") == "struct_value" or choice.string_value == "required"
+    return "tools" if forced else None
 
 
 def vllm_request(request: CreateChatCompletionRequest, request_id: str) -> ChatCompletionRequest:

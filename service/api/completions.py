@@ -21,7 +21,13 @@ from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 from plumbing.tracing import annotate_call, child_span, outgoing_headers
 from service.api.backlog import Backlog
 from service.api.beam_search import BeamSearchSettings, beam_search
-from service.api.caller_errors import BODY, building_request, caller_error
+from service.api.caller_errors import (
+    BODY,
+    ENGINE_FAILED,
+    building_request,
+    caller_error,
+    unsatisfiable_constraint,
+)
 from service.api.cancellation import CancellableCall
 from service.api.constraints import constraint_field
 from service.api.engine_calls import CURRENT_CALL, EngineCall, ObservedEngine
@@ -239,6 +245,9 @@ class CompletionHandler:
         outputs = merge_async_iterators(*generators)
         try:
             async for index, output in outputs:
+                failed = any(choice.finish_reason == ENGINE_FAILED for choice in output.outputs)
+                if failed and options.constraint:
+                    raise caller_error(unsatisfiable_constraint(options.constraint))
                 yield slots[index], output
         except EngineDeadError as error:
             raise EngineUnavailableError(

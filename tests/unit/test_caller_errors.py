@@ -3,6 +3,8 @@ naming the field, on both methods; what fails once the engine has it stays a ser
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 from typing import Any
 
 import grpc
@@ -11,10 +13,20 @@ import pydantic
 import pytest
 from google.protobuf import json_format
 from llmcompletions.v2.completions_pb2 import CreateChatCompletionRequest
-from unit_fakes import MODEL, VOCAB_SIZE
+from unit_fakes import (
+    MODEL,
+    VOCAB_SIZE,
+    StandInEngine,
+    completion_output,
+    make_request,
+    request_output,
+    run_until_engine,
+    served_model,
+)
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
 from vllm.exceptions import (
+    GenerationError,
     QueueOverflowError,
     VLLMNotFoundError,
     VLLMUnprocessableEntityError,
@@ -22,13 +34,16 @@ from vllm.exceptions import (
 )
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
+from service.api.backlog import Backlog
 from service.api.caller_errors import (
     EngineSideError,
     building_request,
     engine_has_request,
     error_from,
 )
-from service.api.chat_requests import validate_chat_request, vllm_request
+from service.api.chat import CALL_CONSTRAINT, CatalogChat
+from service.api.chat_requests import chat_constraint_field, validate_chat_request, vllm_request
+from service.api.completions import CompletionHandler
 from service.api.errors import CompletionError, Loc, ModelNotFoundError
 from service.settings import RequestLimits
 from service.transport.rest_bridge import error_body, http_status
@@ -237,3 +252,72 @@ def test_vllms_error_responses_by_status(status: int, code: str) -> None:
         error=ErrorInfo(message="m", type="t", code=status, param="chat_template")
     )
     assert error_from(response).grpc_code.name == code
+
+
+class FailingEngine(StandInEngine):
+    """An engine that ends every request with finish_reason "error", as vLLM's does when a
+    grammar does not compile or allows none of the model's tokens."""
+
+    def generate(self, prompt: Any, params: Any, request_id: str, **options: Any) -> Any:
+        async def outputs() -> Any:
+            yield request_output(
+                [completion_output([], finish_reason="error")], request_id=request_id
+            )
+
+        return outputs()
+
+
+def completion_on_failing_engine(**fields: Any) -> CompletionError | None:
+    model = served_model(FailingEngine())
+    handler = CompletionHandler(model, RequestLimits(), Backlog(model.engine, model.capacity))
+    try:
+        asyncio.run(run_until_engine(handler, make_request(max_tokens=2, **fields)))
+    except CompletionError as error:
+        return error
+    finally:
+        handler.tokenizing.shutdown()
+    return None
+
+
+def test_a_constraint_the_engine_cannot_follow_is_a_422_naming_it() -> None:
+    # vLLM's server answers 500 (its GenerationError); the constraint is the caller's.
+    error = completion_on_failing_engine(guided_grammar="root ::= root")
+    assert error is not None and error.grpc_code == grpc.StatusCode.INVALID_ARGUMENT
+    assert locs(error) == [("guided_grammar",)]
+
+
+def test_an_unconstrained_engine_failure_is_not_blamed_on_the_caller() -> None:
+    assert completion_on_failing_engine() is None  # the reply says finish_reason "error"
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({}, None),
+        ({"guided_regex": "a+"}, "guided_regex"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [TOOL]}, None),  # tool_choice auto: the reply is free
+        ({"tools": [TOOL], "tool_choice": "required"}, "tools"),
+        ({"tools": [TOOL], "tool_choice": TOOL}, "tools"),
+    ],
+)
+def test_the_chat_constraint_field(fields: dict[str, Any], field: str | None) -> None:
+    request = json_format.ParseDict(
+        {"model": MODEL, "messages": HI, **fields}, CreateChatCompletionRequest()
+    )
+    assert chat_constraint_field(request) == field
+
+
+def test_vllms_chat_failure_of_a_constrained_reply_names_the_constraint() -> None:
+    serving = CatalogChat.__new__(CatalogChat)  # _raise_if_error reads nothing of it
+
+    def fail_constrained() -> None:
+        CALL_CONSTRAINT.set("guided_json")
+        serving._raise_if_error("error", "chatcmpl-1")
+
+    with pytest.raises(VLLMValidationError) as raised:
+        contextvars.copy_context().run(fail_constrained)
+    assert raised.value.parameter == "guided_json"
+    with pytest.raises(GenerationError):  # unconstrained: the engine's failure, a 500
+        serving._raise_if_error("error", "chatcmpl-1")
+    serving._raise_if_error("stop", "chatcmpl-1")
