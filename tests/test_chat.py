@@ -290,6 +290,34 @@ BAD_REQUESTS = {
         422,
         grpc.StatusCode.INVALID_ARGUMENT,
     ),
+    # Refused by vLLM's request model (its VLLMValidationError), its renderer (a ValueError)
+    # and its lazily validated content parts (pydantic's error, raised while rendering).
+    "tool_choice without tools": ({"tool_choice": "auto"}, 422, grpc.StatusCode.INVALID_ARGUMENT),
+    "continuing the final message after a generation prompt": (
+        {"continue_final_message": True, "add_generation_prompt": True},
+        422,
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
+    "an image for a text-only model": (
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+            ]
+        },
+        422,
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
+    "a text part without its text": (
+        {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+        422,
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
+    # A grammar that admits nothing: the engine ends the request with finish_reason "error".
+    "a constraint nothing satisfies": (
+        {"guided_grammar": "root ::= root"},
+        422,
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
 }
 
 

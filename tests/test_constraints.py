@@ -146,6 +146,8 @@ def test_an_unavailable_backend_is_refused_with_the_available_ones(rest: httpx.C
         ({"guided_choice": []}, ["body", "guided_choice"]),
         ({"guided_choice": ["a", 1]}, ["body", "guided_choice", 1]),
         ({"guided_regex": "(unclosed"}, ["body", "guided_regex"]),
+        # Compiles, admits nothing: the engine ends the request with finish_reason "error".
+        ({"guided_grammar": "root ::= root"}, ["body", "guided_grammar"]),
         ({"guided_regex": "a", "guided_choice": ["a"]}, ["body", "guided_choice"]),
         ({"response_format": {"type": "xml"}}, ["body", "response_format", "type"]),
         ({"response_format": {"type": "json_schema"}}, ["body", "response_format", "json_schema"]),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import AsyncIterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -28,7 +29,7 @@ from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 from vllm.entrypoints.openai.models.protocol import BaseModelPath
 from vllm.entrypoints.openai.models.serving import OpenAIServingModels
 from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-from vllm.exceptions import MaxQueuedTokensError, QueueOverflowError, VLLMValidationError
+from vllm.exceptions import MaxQueuedTokensError, QueueOverflowError
 from vllm.lora.request import LoRARequest
 from vllm.reasoning import ReasoningParserManager
 from vllm.renderers.chat_utils import load_chat_template
@@ -38,9 +39,16 @@ from vllm.tool_parsers import ToolParserManager
 from plumbing.tracing import annotate_call, child_span, outgoing_headers
 from service.api.backlog import Backlog
 from service.api.call_record import CallRecord
+from service.api.caller_errors import (
+    ENGINE_FAILED,
+    building_request,
+    engine_has_request,
+    error_from,
+    unsatisfiable_constraint,
+)
 from service.api.cancellation import CancellableCall
-from service.api.chat_replies import ChatReplies, chat_error, error_from
-from service.api.chat_requests import validate_chat_request, vllm_request
+from service.api.chat_replies import ChatReplies
+from service.api.chat_requests import chat_constraint_field, validate_chat_request, vllm_request
 from service.api.endpoint_models import adapter_for
 from service.api.errors import PriorityNotEnabledError
 from service.model.adapters import ModelCatalog
@@ -49,6 +57,9 @@ from service.settings import ChatSettings, RequestLimits
 
 # vLLM's chat serving names its engine requests "chatcmpl-" and the request's request_id.
 VLLM_CHAT_ID_PREFIX = "chatcmpl-"
+# The field holding the constraint the current call's reply follows, if any (each call runs in
+# its own task, and vLLM's serving reads it there).
+CALL_CONSTRAINT: ContextVar[str | None] = ContextVar("call_constraint", default=None)
 
 
 class ChatSettingsError(ValueError):
@@ -88,6 +99,18 @@ class CatalogChat(OpenAIServingChat):
         self, request: Any, supports_default_mm_loras: bool = False
     ) -> LoRARequest | None:
         return adapter_for(self.catalog, request.model)
+
+    def _raise_if_error(self, finish_reason: str | None, request_id: str) -> None:
+        constraint = CALL_CONSTRAINT.get()
+        if finish_reason == ENGINE_FAILED and constraint is not None:
+            raise unsatisfiable_constraint(constraint)
+        super()._raise_if_error(finish_reason, request_id)
+
+    async def chat_completion_full_generator(self, *args: Any, **kwargs: Any) -> Any:
+        # Called once the request is built and with the engine: from here, what fails is the
+        # server's, not the caller's input.
+        with engine_has_request():
+            return await super().chat_completion_full_generator(*args, **kwargs)
 
 
 def chat_serving(model: ServedModel, settings: ChatSettings) -> CatalogChat:
@@ -148,10 +171,11 @@ class ChatHandler:
     ) -> AsyncIterator[CreateChatCompletionResponse]:
         """Yield the one whole reply, or the stream chunks; raise CompletionError (and
         RequestCancelledError once `call` is cancelled)."""
-        with child_span("validate"):
+        with child_span("validate"), building_request():
             self.validate(request)
-        # The engine request ids carry the request id, so engine logs can be matched to it.
-        engine_request = vllm_request(request, f"{record.request_id}-{uuid.uuid4().hex[:8]}")
+            # The engine request ids carry the request id, so engine logs can be matched to it.
+            engine_request = vllm_request(request, f"{record.request_id}-{uuid.uuid4().hex[:8]}")
+        CALL_CONSTRAINT.set(chat_constraint_field(request))
         call.engine_prefix = f"{VLLM_CHAT_ID_PREFIX}{engine_request.request_id}"
         call.check()
         timed = self.always_metrics or request.return_metrics
@@ -191,11 +215,14 @@ class ChatHandler:
 
     async def prompt_token_ids(self, request: CreateChatCompletionRequest) -> list[int]:
         """The conversation rendered and tokenized exactly as a chat request renders it."""
-        validate_chat_request(
-            request, self.model.vocab_size, self.model.structured_outputs_backend, self.limits
-        )
-        adapter_for(self.model.catalog, request.model)  # 404 unless served
-        rendered = await self.serving.online_renderer.render_chat(vllm_request(request, "tokenize"))
+        with building_request():
+            validate_chat_request(
+                request, self.model.vocab_size, self.model.structured_outputs_backend, self.limits
+            )
+            adapter_for(self.model.catalog, request.model)  # 404 unless served
+            rendered = await self.serving.online_renderer.render_chat(
+                vllm_request(request, "tokenize")
+            )
         if isinstance(rendered, ErrorResponse):
             raise error_from(rendered)
         _, engine_inputs = rendered
@@ -212,14 +239,15 @@ class ChatHandler:
         trace_headers: Mapping[str, str],
     ) -> AsyncIterator[CreateChatCompletionResponse]:
         try:
-            result = await self.serving.create_chat_completion(
-                request,
-                traced_request(trace_headers),  # type: ignore[arg-type]
-            )
+            # vLLM renders the conversation and builds the sampling parameters here; a whole
+            # reply is generated here too, under engine_has_request.
+            with building_request():
+                result = await self.serving.create_chat_completion(
+                    request,
+                    traced_request(trace_headers),  # type: ignore[arg-type]
+                )
         except (QueueOverflowError, MaxQueuedTokensError) as error:
             raise self.backlog.refusal(error) from error
-        except VLLMValidationError as error:
-            raise chat_error(400, str(error), error.parameter) from error
         if isinstance(result, ErrorResponse):
             raise error_from(result)
         if isinstance(result, ChatCompletionResponse):

@@ -7,55 +7,15 @@ import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from http import HTTPStatus
 from typing import Any
 
-import grpc
 from google.protobuf import json_format
 from llmcompletions.v2.completions_pb2 import CreateChatCompletionResponse
-from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
-from service.api.errors import (
-    CompletionError,
-    EngineUnavailableError,
-    FieldViolation,
-    InternalError,
-    OverloadedError,
-    RequestValidationError,
-)
+from service.api.caller_errors import vllm_error
 
 EVENT_PREFIX = "data: "
 DONE = "[DONE]"
-
-
-class ChatContextError(CompletionError):
-    """A conversation that, rendered, does not fit the model's context (vLLM's message)."""
-
-    grpc_code = grpc.StatusCode.OUT_OF_RANGE
-
-
-class ChatNotFoundError(CompletionError):
-    grpc_code = grpc.StatusCode.NOT_FOUND
-
-
-def chat_error(status: int, message: str, param: str | None = None) -> CompletionError:
-    """vLLM's error (an HTTP status and message) as the API's: a request the model cannot take
-    (over its context) is 400, anything else the caller sent wrong a validation error (422)."""
-    if status == HTTPStatus.BAD_REQUEST:
-        if "context length" in message or "maximum context" in message:
-            return ChatContextError(message)
-        return RequestValidationError([FieldViolation((param or "body",), message, "value_error")])
-    if status == HTTPStatus.NOT_FOUND:
-        return ChatNotFoundError(message)
-    if status == HTTPStatus.TOO_MANY_REQUESTS:
-        return OverloadedError(message)
-    if status == HTTPStatus.SERVICE_UNAVAILABLE:
-        return EngineUnavailableError(message)
-    return InternalError(message)
-
-
-def error_from(response: ErrorResponse) -> CompletionError:
-    return chat_error(response.error.code, response.error.message, response.error.param)
 
 
 @dataclass
@@ -83,7 +43,9 @@ class ChatReplies:
             event = json.loads(line[len(EVENT_PREFIX) :])
             if "error" in event:
                 error = event["error"]
-                raise chat_error(error.get("code", 500), error.get("message", ""), None)
+                raise vllm_error(
+                    error.get("code", 500), error.get("message", ""), error.get("param")
+                )
             if event.get("usage"):
                 self.usage = event["usage"]
                 if not event.get("choices"):  # the last event

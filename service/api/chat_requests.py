@@ -1,6 +1,7 @@
 """A chat request: checked against the API's limits (the rules it shares with a completion
 request, and its own), then turned into vLLM's ChatCompletionRequest, which vLLM's chat serving
-renders and samples from."""
+renders and samples from. Both raise for the caller's input only inside
+`service.api.caller_errors.building_request`, which makes their errors the API's."""
 
 from __future__ import annotations
 
@@ -9,11 +10,21 @@ from typing import Any
 
 import pydantic
 from google.protobuf import json_format
-from llmcompletions.v2.completions_pb2 import CreateChatCompletionRequest, TokenizeRequest
+from llmcompletions.v2.completions_pb2 import (
+    ChatToolCall,
+    CreateChatCompletionRequest,
+    TokenizeRequest,
+)
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-from service.api.constraints import GUIDED_FIELDS, json_value, structured_outputs
-from service.api.errors import FieldViolation, RequestValidationError, clip
+from service.api.caller_errors import pydantic_violations
+from service.api.constraints import (
+    GUIDED_FIELDS,
+    constraint_field,
+    json_value,
+    structured_outputs,
+)
+from service.api.errors import Loc, RequestValidationError
 from service.api.validation import (
     Violations,
     check_backend,
@@ -50,6 +61,7 @@ def validate_chat_request(
     if not request.model:
         found.add(("model",), "model is required", "missing")
     check_messages(request, found)
+    check_tools(request, found)
     check_numeric_ranges(request, found, CHAT_RANGES)
     check_stop(request.stop if request.HasField("stop") else None, found)
     check_token_ids(request, vocab_size, found)
@@ -76,6 +88,31 @@ def check_messages(request: CreateChatCompletionRequest, found: Violations) -> N
                 f"role must be one of {', '.join(ROLES)}, got {message.role!r:.40}",
                 "literal_error",
             )
+        for call_index, call in enumerate(message.tool_calls):
+            check_tool_call(call, ("messages", index, "tool_calls", call_index), found)
+
+
+def check_tool_call(call: ChatToolCall, loc: Loc, found: Violations) -> None:
+    """A call in the conversation needs the parts vLLM's request model requires (its error for
+    a missing one would name the call's index alone: it validates the calls lazily)."""
+    if not call.id:
+        found.add((*loc, "id"), "a tool call needs its id", "missing")
+    if call.type != "function":
+        found.add(
+            (*loc, "type"), f'type must be "function", got {call.type!r:.40}', "literal_error"
+        )
+    for part in ("name", "arguments"):
+        if not call.function.HasField(part):
+            found.add(
+                (*loc, "function", part), f"a tool call needs its function's {part}", "missing"
+            )
+
+
+def check_tools(request: CreateChatCompletionRequest, found: Violations) -> None:
+    """A tool needs its function's name (vLLM's request model reads it before checking)."""
+    for index, tool in enumerate(request.tools):
+        if not tool.function.name:
+            found.add(("tools", index, "function", "name"), "a tool needs a name", "missing")
 
 
 def chat_constraint_sizes(request: CreateChatCompletionRequest) -> dict[str, int]:
@@ -83,6 +120,17 @@ def chat_constraint_sizes(request: CreateChatCompletionRequest) -> dict[str, int
     sizes = constraint_sizes(request)
     tools = sum(tool.ByteSize() for tool in request.tools)
     return {**sizes, "tools": tools} if tools else sizes
+
+
+def chat_constraint_field(request: CreateChatCompletionRequest) -> str | None:
+    """The field whose constraint the reply follows, if any: a guided_* field or
+    response_format, else the tools when a call of one is forced (their schemas constrain)."""
+    field = constraint_field(request)
+    if field is not None or not request.tools:
+        return field
+    choice = request.tool_choice
+    forced = choice.WhichOneof("kind") == "struct_value" or choice.string_value == "required"
+    return "tools" if forced else None
 
 
 def vllm_request(request: CreateChatCompletionRequest, request_id: str) -> ChatCompletionRequest:
@@ -110,19 +158,25 @@ def vllm_request(request: CreateChatCompletionRequest, request_id: str) -> ChatC
     if request.stream:
         body["stream_options"] = {**body.get("stream_options", {}), "include_usage": True}
     body["request_id"] = request_id
-    try:
-        return ChatCompletionRequest.model_validate(body)
-    except pydantic.ValidationError as error:
-        raise RequestValidationError(
-            [
-                FieldViolation(
-                    tuple(part for part in issue["loc"] if part != "function-after"),
-                    clip(issue["msg"], 320),
-                    issue["type"],
-                )
-                for issue in error.errors()
-            ]
-        ) from error
+    built = ChatCompletionRequest.model_validate(body)
+    materialize_contents(built)
+    return built
+
+
+def materialize_contents(request: ChatCompletionRequest) -> None:
+    """Each message's content parts validated now, located under their message, rather than
+    while vLLM renders the conversation (pydantic validates an iterable lazily, and its error
+    then names the part's index alone)."""
+    for index, message in enumerate(request.messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if content is None or isinstance(content, (str, list)):
+            continue
+        try:
+            message["content"] = list(content)  # type: ignore[call-overload,arg-type]
+        except pydantic.ValidationError as error:
+            raise RequestValidationError(
+                pydantic_violations(error, ("messages", index, "content"))
+            ) from error
 
 
 def conversation_of(request: TokenizeRequest) -> CreateChatCompletionRequest:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from llmcompletions.v2.completions_pb2 import CreateCompletionRequest, CreateCompletionResponse
 from opentelemetry.trace import Span
-from vllm.exceptions import MaxQueuedTokensError, QueueOverflowError, VLLMValidationError
+from vllm.exceptions import MaxQueuedTokensError, QueueOverflowError, VLLMClientError
 from vllm.inputs import TokensPrompt
 from vllm.lora.request import LoRARequest
 from vllm.outputs import RequestOutput
@@ -22,6 +22,13 @@ from plumbing.tracing import annotate_call, child_span, outgoing_headers
 from service.api.backlog import Backlog
 from service.api.beam_search import BeamSearchSettings, beam_search
 from service.api.call_record import CallRecord
+from service.api.caller_errors import (
+    BODY,
+    ENGINE_FAILED,
+    building_request,
+    caller_error,
+    unsatisfiable_constraint,
+)
 from service.api.cancellation import CancellableCall
 from service.api.constraints import constraint_field
 from service.api.endpoint_models import adapter_for
@@ -30,10 +37,8 @@ from service.api.errors import (
     CompletionError,
     ContextLengthError,
     EngineUnavailableError,
-    FieldViolation,
     InternalError,
     PriorityNotEnabledError,
-    RequestValidationError,
     TruncationTooLongError,
 )
 from service.api.prompts import PreparedPrompt, prepare_prompts, truncated
@@ -102,17 +107,18 @@ class CompletionHandler:
         """Yield the one whole response, or the stream chunks; raise CompletionError (and
         RequestCancelledError once `call` is cancelled). Token counts go into `record` as they
         become known."""
-        with child_span("validate and tokenize"):
+        header = ResponseHeader.new(request.model, self.model.system_fingerprint)
+        # The engine request ids carry the request id, so engine logs can be matched to it.
+        engine_prefix = f"{record.request_id}-{header.id[-8:]}"
+        with child_span("validate and tokenize"), building_request():
             prepared, adapter = await self.prepare(request)
+            slots = self.engine_requests(request, engine_prefix, len(prepared))
         if adapter is not None:
             annotate_call(**{"llm_completions.adapter": adapter.lora_name})
         sequences = len(prepared) * requested_candidates(request)
-        header = ResponseHeader.new(request.model, self.model.system_fingerprint)
         plan = choice_plan(request, prepared, self.model.tokenizer)
         record.prompt_tokens = plan.prompt_tokens()
-        # The engine request ids carry the request id, so engine logs can be matched to it.
-        call.engine_prefix = f"{record.request_id}-{header.id[-8:]}"
-        slots = self.engine_requests(request, call.engine_prefix, len(prepared))
+        call.engine_prefix = engine_prefix
         call.check()
         self.backlog.admit(sequences)
         timings = RequestTimings(received=record.started)
@@ -220,14 +226,7 @@ class CompletionHandler:
             ]
         candidates = requested_candidates(request)
         greedy_copies = candidates if is_greedy(request, self.model.default_sampling) else 1
-        try:
-            params = sampling_params(
-                request, self.model.default_sampling, candidates // greedy_copies
-            )
-        except VLLMValidationError as error:
-            raise RequestValidationError(
-                [FieldViolation((error.parameter or "body",), str(error), "value_error")]
-            ) from error
+        params = sampling_params(request, self.model.default_sampling, candidates // greedy_copies)
         return [
             EngineSlot(prompt_index, copy, f"{id_prefix}-{prompt_index}-{copy}", params)
             for prompt_index in range(prompt_count)
@@ -247,6 +246,9 @@ class CompletionHandler:
         outputs = merge_async_iterators(*generators)
         try:
             async for index, output in outputs:
+                failed = any(choice.finish_reason == ENGINE_FAILED for choice in output.outputs)
+                if failed and options.constraint:
+                    raise caller_error(unsatisfiable_constraint(options.constraint))
                 yield slots[index], output
         except EngineDeadError as error:
             raise EngineUnavailableError(
@@ -259,12 +261,10 @@ class CompletionHandler:
         except (QueueOverflowError, MaxQueuedTokensError) as error:
             # The engine checks the backlog bounds again as each request is added.
             raise self.backlog.refusal(error) from error
-        except VLLMValidationError as error:
+        except VLLMClientError as error:
             # The engine checks constraints (regex dialect, schema features) on submission.
-            field = error.parameter or options.constraint or "body"
-            raise RequestValidationError(
-                [FieldViolation((field,), str(error), "value_error")]
-            ) from error
+            field = (options.constraint,) if options.constraint else BODY
+            raise caller_error(error, field) from error
         except ValueError as error:
             raise InternalError(f"The engine rejected the request: {error}") from error
 

@@ -131,7 +131,9 @@ class RequestValidationError(CompletionError):
     def __init__(self, violations: Sequence[FieldViolation]) -> None:
         self._violations = within_budget(violations)
         omitted = len(violations) - len(self._violations)
-        summary = "; ".join(f"{v.field_path}: {v.msg}" for v in self._violations)
+        summary = "; ".join(
+            f"{v.field_path}: {v.msg}" if v.loc else v.msg for v in self._violations
+        )
         more = f" ({omitted} more not shown)" if omitted else ""
         super().__init__(f"invalid request{more}: {summary}")
 

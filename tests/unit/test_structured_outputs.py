@@ -15,6 +15,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import StructuredOutputsParams
 
 from service.api import constraints
+from service.api.caller_errors import building_request
 from service.api.completions import CompletionHandler
 from service.api.constraints import (
     constraint_field,
@@ -180,7 +181,8 @@ def test_the_handler_refuses_an_unconvertible_schema_as_invalid_argument(
     schema: dict[str, Any],
 ) -> None:
     request = make_request(guided_json=schema, guided_whitespace_pattern=" ", temperature=1)
-    with pytest.raises(RequestValidationError) as caught:
+    # The handler builds its engine requests inside building_request (service.api.completions).
+    with pytest.raises(RequestValidationError) as caught, building_request():
         handler().engine_requests(request, "req", 1)
     assert caught.value.grpc_code == grpc.StatusCode.INVALID_ARGUMENT  # 422 through Envoy
     ((violation,),) = [caught.value.violations]

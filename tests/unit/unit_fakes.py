@@ -1,19 +1,31 @@
-"""Small stand-ins for the unit tests: a word-level tokenizer, request builders and hand-made
-vLLM outputs. Nothing here starts an engine or reads a model."""
+"""Small stand-ins for the unit tests: a word-level tokenizer, request builders, hand-made
+vLLM outputs and a served model whose engine takes nothing (the handlers run up to it). Nothing
+here starts an engine or reads a model."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 from google.protobuf import json_format
+from google.protobuf.message import Message
 from llmcompletions.v2.completions_pb2 import CreateCompletionRequest
 from vllm.logprobs import Logprob
 from vllm.outputs import CompletionOutput, RequestOutput
 
+from service.api.cancellation import CancellableCall
+from service.api.chat import ChatHandler
+from service.api.completions import CompletionHandler
+from service.model.adapters import ModelCatalog
+from service.model.capacity import Capacity
+from service.model.engine import ServedModel
+from service.transport.observability import RequestRecord
+
 MODEL = "smollm2-135m-instruct"
 VOCAB_SIZE = 100
+MAX_MODEL_LEN = 2048
 BOS, EOS = 0, 1
 # Token id -> text. Ids 0 and 1 are special; the rest are words with their leading space.
 WORDS = {
@@ -120,3 +132,62 @@ def request_output(
         finished=all(output.finish_reason is not None for output in outputs),
         num_cached_tokens=num_cached_tokens,
     )
+
+
+class ReachedEngine(Exception):
+    """The request was built and handed to the engine."""
+
+
+class AnyTextTokenizer(FakeTokenizer):
+    """The word-level tokenizer, taking any text (a word it does not know is a token of its
+    own): generated prompts are not its vocabulary."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = [self.ids.get(piece, 2 + len(piece) % (VOCAB_SIZE - 2)) for piece in text.split()]
+        return [BOS, *ids] if add_special_tokens else ids
+
+
+class StandInEngine:
+    """An idle engine that takes nothing: a request that gets to it was built."""
+
+    model_config = SimpleNamespace(renderer_num_workers=1)
+
+    def get_num_unfinished_requests(self) -> int:
+        return 0
+
+    def get_num_queued_tokens(self) -> int:
+        return 0
+
+    def check_admission(self, sequences: int) -> None:
+        pass
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        raise ReachedEngine
+
+    async def abort(self, request_ids: list[str]) -> None:
+        pass
+
+
+def served_model(engine: StandInEngine | None = None) -> ServedModel:
+    """A served model with what the handlers read of one, on a stand-in engine."""
+    return ServedModel(
+        engine=engine or StandInEngine(),  # type: ignore[arg-type]
+        name=MODEL,
+        tokenizer=AnyTextTokenizer(),  # type: ignore[arg-type]
+        max_model_len=MAX_MODEL_LEN,
+        vocab_size=VOCAB_SIZE,
+        system_fingerprint="fp",
+        default_sampling={},
+        structured_outputs_backend="xgrammar",
+        catalog=ModelCatalog(MODEL),
+        scratch=None,  # type: ignore[arg-type]
+        capacity=Capacity(256, 2048, 1024, 1_000_000),
+        load=None,  # type: ignore[arg-type]
+    )
+
+
+async def run_until_engine(handler: CompletionHandler | ChatHandler, request: Message) -> None:
+    """The handler's call of `request`, its replies read (with StandInEngine: ReachedEngine)."""
+    record = RequestRecord("req", "m", MODEL, "", stream=False)
+    async for _ in handler.complete(request, record, CancellableCall("req", "")):  # type: ignore[arg-type]
+        pass
