@@ -8,6 +8,7 @@ a configuration's budget (tests/conftest.py)."""
 from __future__ import annotations
 
 import ast
+import functools
 from collections import defaultdict
 from pathlib import Path
 
@@ -19,6 +20,7 @@ MAX_START_UPS = 20
 HARNESS = ("processes.py", "engines.py")
 
 
+@functools.cache
 def modules() -> dict[str, ast.Module]:
     return {
         path.name: ast.parse(path.read_text(), str(path))
