@@ -52,7 +52,7 @@ serve: install
 # are listed at the end, to keep the suite's time in view.
 test: install checkov
 	$(BIN)/python -m pytest -q $(UNIT_PARALLEL) $(UNIT_TESTS)
-	$(BIN)/python -m pytest tests --ignore=tests/unit --durations=15
+	$(BIN)/python -m tests.shards --durations=15
 
 unit: install checkov
 	$(BIN)/python -m pytest -q $(UNIT_PARALLEL) $(UNIT_TESTS)

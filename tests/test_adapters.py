@@ -30,8 +30,10 @@ from tests.test_vllm_parity import assert_logprobs_close
 
 ADAPTERS = tuple(ADAPTER_SEEDS)
 PROMPTS = [CAPITAL_PROMPT, "def fibonacci(n):", "Once upon a time, in a small village,"]
-STARTUP_FAILURE_SECONDS = 90
-QUICK_FAILURE_SECONDS = 45  # importing vLLM takes most of it on a busy 2-core machine
+# A hang guard, not a speed bound: three refused starts import vLLM side by side while the
+# adapter engines serve, which took over 90 s on a busy 2-core CI host. That no engine started
+# is read from the output instead.
+STARTUP_FAILURE_SECONDS = 300
 
 
 @pytest.fixture(scope="module")
@@ -183,8 +185,7 @@ def test_an_unknown_model_is_404_listing_the_served_names(rest: httpx.Client) ->
 # ---- start-up failures: no engine is started, the process exits with one line
 
 
-def serve_and_fail(*flags: str) -> tuple[int, str, float]:
-    started = time.monotonic()
+def serve_and_fail(*flags: str) -> tuple[int, str]:
     command = [sys.executable, "-m", "service", "serve", "--port", str(free_port())]
     finished = subprocess.run(
         [*command, *SMALL_ENGINE, "--metrics-port", str(free_port()), *flags],
@@ -192,7 +193,7 @@ def serve_and_fail(*flags: str) -> tuple[int, str, float]:
         text=True,
         timeout=STARTUP_FAILURE_SECONDS,
     )
-    return finished.returncode, finished.stderr, time.monotonic() - started
+    return finished.returncode, finished.stderr
 
 
 def error_lines(stderr: str) -> list[str]:
@@ -217,9 +218,9 @@ def foreign_adapter(adapter: Path, target: Path) -> Path:
 @pytest.fixture(scope="module")
 def refused_starts(
     model_dir: Path, adapter_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, tuple[int, str, float]]:
-    """Servers given a bad adapter, started side by side: each one's exit code, stderr and
-    seconds."""
+) -> dict[str, tuple[int, str]]:
+    """Servers given a bad adapter, started side by side: each one's exit code and
+    stderr."""
     root = tmp_path_factory.mktemp("refused")
     wide = build_adapter(model_dir, root / "wide", seed=3, rank=16)
     flags = {
@@ -233,29 +234,28 @@ def refused_starts(
 
 
 def test_a_bad_adapter_path_fails_start_up_naming_it(
-    refused_starts: dict[str, tuple[int, str, float]],
+    refused_starts: dict[str, tuple[int, str]],
 ) -> None:
-    code, stderr, seconds = refused_starts["broken"]
+    code, stderr = refused_starts["broken"]
     assert code != 0
-    assert seconds < QUICK_FAILURE_SECONDS  # before any engine starts
     assert len(error_lines(stderr)) == 1, stderr
     assert "`broken`" in error_lines(stderr)[0]
     assert "engine" not in stderr.lower()
 
 
 def test_an_adapter_over_max_lora_rank_fails_start_up_naming_it(
-    refused_starts: dict[str, tuple[int, str, float]],
+    refused_starts: dict[str, tuple[int, str]],
 ) -> None:
-    code, stderr, _ = refused_starts["wide"]
+    code, stderr = refused_starts["wide"]
     assert code != 0
     [line] = error_lines(stderr)
     assert "`wide`" in line and "16" in line and "--max-lora-rank 8" in line
 
 
 def test_an_adapter_of_another_base_model_fails_start_up_naming_it(
-    refused_starts: dict[str, tuple[int, str, float]],
+    refused_starts: dict[str, tuple[int, str]],
 ) -> None:
-    code, stderr, _ = refused_starts["other"]
+    code, stderr = refused_starts["other"]
     assert code != 0
     [line] = error_lines(stderr)
     assert "`other`" in line and "Llama-3.2-1B" in line
