@@ -23,7 +23,7 @@ from plumbing.options import (
 )
 from plumbing.tls import tls_settings
 from plumbing.tracing import add_tracing_option, tracing_settings
-from service.api.validation import ENGINE_MAX_LOGPROBS
+from service.api.declared_ranges import ENGINE_MAX_LOGPROBS
 from service.model.capacity import QUEUED_BATCHES, QUEUED_PREFILL_STEPS
 from service.model.default_model import DEFAULT_SERVED_MODEL_NAME
 from service.model.placement import PlacementError, available_cores, parse_core_list

@@ -55,7 +55,7 @@ class EngineSettings:
     max_loras: int = 1  # adapters in one batch
     max_lora_rank: int = 16  # the largest adapter rank the engine accepts
     # The log-probabilities a request may ask for per step (None: vLLM's default); the API's
-    # requests need service.api.validation.ENGINE_MAX_LOGPROBS.
+    # requests need service.api.declared_ranges.ENGINE_MAX_LOGPROBS.
     max_logprobs: int | None = None
     extra_engine_args: dict[str, Any] = field(default_factory=dict)
     # vLLM's request spans (`llm_request`) go here; None: no tracing.

@@ -26,7 +26,7 @@ from tests.engines import STARTS, Engine, SharedEngines
 from tests.models import build_adapter, with_bos_tokenizer
 from tests.otlp import OtlpReceiver
 from tests.processes import HealthWatch, TestStack, free_port
-from tests.shards import SHARD_ENV, may_start_shared_engines
+from tests.shards import SHARD_ENV, may_start
 
 MODEL = DEFAULT_SERVED_MODEL_NAME
 MAX_MODEL_LEN = 2048
@@ -354,11 +354,11 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 def shared(request: pytest.FixtureRequest, name: str) -> Engine:
     test_id = CURRENT_TEST[0]
-    if not may_start_shared_engines(os.environ.get(SHARD_ENV)):
+    shard = os.environ.get(SHARD_ENV)
+    if not may_start(shard, name):
         pytest.fail(
-            f"{test_id} needs the shared engine {name!r}, which the "
-            f"{os.environ[SHARD_ENV]!r} shard does not start: its module belongs in the "
-            "shared shard (tests/shards.py)"
+            f"{test_id} needs the shared engine {name!r}, which the {shard!r} shard does not "
+            "start: its module belongs in the shard that does (tests/shards.py)"
         )
     engines: SharedEngines = request.getfixturevalue("shared_engines")
     starting = ({name} | engines.group_of(name)) & engines.still_needed(test_id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -113,3 +114,9 @@ def named(spans: list[ReceivedSpan], name: str) -> ReceivedSpan:
 
 def children(spans: list[ReceivedSpan], parent: ReceivedSpan) -> list[ReceivedSpan]:
     return [s for s in spans if s.parent_id == parent.span_id]
+
+
+def caller_context() -> tuple[str, str, str]:
+    """A caller's trace id, span id and the `traceparent` naming them (sampled)."""
+    trace_id, span_id = uuid.uuid4().hex, uuid.uuid4().hex[:16]
+    return trace_id, span_id, f"00-{trace_id}-{span_id}-01"

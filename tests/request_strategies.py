@@ -22,7 +22,7 @@ from llmcompletions.v2.completions_pb2 import (
     TokenizeRequest,
 )
 
-from service.api.validation import Bound, declared_ranges
+from service.api.declared_ranges import Bound, declared_ranges
 
 Strategy = st.SearchStrategy[Any]
 Body = dict[str, Any]

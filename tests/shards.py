@@ -2,12 +2,13 @@
 options]` runs each shard as its own pytest session, at the same time, prints their output
 line by line under the shard's name, and exits non-zero if any shard failed.
 
-Most of a run waits (on engine start-ups, streams, drains and timeouts) rather than computes,
-so two sessions side by side finish in far less than one after the other. The shards split
-the modules so that no engine is started by two of them: the shared engines (tests/engines.py)
-all belong to the "shared" shard, and the "own" shard holds the modules that start, stop or
-kill engines of their own. conftest.py refuses a shared engine in a shard that does not own
-it (TEST_SHARD names the shard a session runs)."""
+Much of a run waits (on streams, drains, keepalives and timeouts) rather than computes, so
+two sessions side by side finish in far less than one after the other. The shards split the
+modules so that no engine is started by two of them: "stack" runs every module of the default
+stack, vLLM's servers, the adapter stack and the small engine; "fleet" the traced fleet's
+modules and those that start, stop or kill engines of their own. conftest.py refuses a shared
+engine to a shard that does not own it (TEST_SHARD names the shard a session runs).
+"""
 
 from __future__ import annotations
 
@@ -22,23 +23,31 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent
 SHARD_ENV = "TEST_SHARD"
 
-# Modules that use no shared engine: each starts what it needs (or nothing) and stops it.
-OWN_MODULES = (
+# The "fleet" shard's modules: the traced fleet's, and those that use no shared engine (each
+# starts what it needs, or nothing, and stops it). Every other module runs in "stack".
+FLEET_MODULES = (
     "test_cli.py",
     "test_deploy.py",
+    "test_engine_death.py",
     "test_engine_lifetime.py",
     "test_generated_code.py",
     "test_gpu_pins.py",
     "test_image_runtime.py",
     "test_multi_replica.py",
+    "test_prefix_routing.py",
     "test_profile_summary.py",
     "test_proto_lint.py",
     "test_tls.py",
+    "test_tracing.py",
 )
-# The shards' engine cores: vLLM's CPU build binds its worker to core 0 when not told, so the
-# "own" shard's engines are put on the other core (where there is one) unless a test places
-# them itself.
-OWN_SHARD_CORE = "1"
+# The shared engines (tests/engines.py) each shard may start.
+SHARD_ENGINES = {
+    "stack": frozenset({"main", "vllm", "lora", "vllm-lora", "small"}),
+    "fleet": frozenset({"fleet"}),
+}
+# vLLM's CPU build binds its worker to core 0 when not told, so the "fleet" shard's own
+# engines go on the other core (where there is one) unless a test places them itself.
+FLEET_SHARD_CORE = "1"
 
 
 def real_modules() -> list[str]:
@@ -46,24 +55,25 @@ def real_modules() -> list[str]:
 
 
 def shard_modules() -> dict[str, list[str]]:
-    """Each shard's modules: "own" those listed, "shared" every other real-process module."""
+    """Each shard's modules: "fleet" those listed, "stack" every other real-process module."""
     modules = real_modules()
     return {
-        "shared": [m for m in modules if m not in OWN_MODULES],
-        "own": [m for m in modules if m in OWN_MODULES],
+        "stack": [m for m in modules if m not in FLEET_MODULES],
+        "fleet": [m for m in modules if m in FLEET_MODULES],
     }
 
 
 def shard_environment(shard: str) -> dict[str, str]:
-    environment = {**os.environ, SHARD_ENV: shard}
-    if shard == "own" and (os.cpu_count() or 1) > 1:
-        environment.setdefault("VLLM_CPU_OMP_THREADS_BIND", OWN_SHARD_CORE)
+    # Unbuffered: a shard's lines reach the relay as pytest writes them, not at its end.
+    environment = {**os.environ, SHARD_ENV: shard, "PYTHONUNBUFFERED": "1"}
+    if shard == "fleet" and (os.cpu_count() or 1) > 1:
+        environment.setdefault("VLLM_CPU_OMP_THREADS_BIND", FLEET_SHARD_CORE)
     return environment
 
 
-def may_start_shared_engines(shard: str | None) -> bool:
-    """Whether a session running `shard` (None: not sharded) may start the shared engines."""
-    return shard in (None, "shared")
+def may_start(shard: str | None, engine: str) -> bool:
+    """Whether a session running `shard` (None: not sharded) may start a shared engine."""
+    return shard is None or engine in SHARD_ENGINES.get(shard, ())
 
 
 def relay(shard: str, lines: Iterable[str], started: float) -> None:

@@ -1,26 +1,23 @@
 """One trace per request across the fleet, in a real OTLP receiver: a REST call through Envoy,
 the replica picker and one of two replicas, down to vLLM's own request span, continuing the
 caller's `traceparent`; a gRPC caller's trace continued the same way; a failed call marked so;
-nothing sent with tracing off; and a collector that is down costs a request nothing."""
+and a collector that is down costs a request nothing."""
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import httpx
 import pytest
 from llmcompletions.v2 import completions_pb2_grpc
 
-from tests.conftest import API_KEY, GRPC_AUTH, MODEL, TRACE_BATCH_ENV, FleetReplicas
+from tests.conftest import MODEL, TRACE_BATCH_ENV, FleetReplicas
 from tests.helpers import body, grpc_request
-from tests.otlp import SERVER_KIND, OtlpReceiver, ReceivedSpan, children, named
-from tests.processes import TestStack
+from tests.otlp import SERVER_KIND, OtlpReceiver, ReceivedSpan, caller_context, children, named
 from tests.test_prefix_routing import Fleet, facade
 
 SERVICE_SPAN = "llmcompletions.v2.CompletionService/CreateCompletion"
@@ -48,12 +45,6 @@ def traced(fleet_replicas: FleetReplicas) -> Iterator[TracedFleet]:
             environment.setenv(name, value)  # Envoy's picker, started by facade.launch
         with facade(fleet_replicas.replicas, "--otlp-traces-endpoint", receiver.endpoint) as fleet:
             yield TracedFleet(receiver, fleet)
-
-
-def caller_context() -> tuple[str, str, str]:
-    """A caller's trace id, span id and the `traceparent` naming them (sampled)."""
-    trace_id, span_id = uuid.uuid4().hex, uuid.uuid4().hex[:16]
-    return trace_id, span_id, f"00-{trace_id}-{span_id}-01"
 
 
 def served_to_the_engine(spans: list[ReceivedSpan]) -> bool:
@@ -187,33 +178,6 @@ def test_a_refused_call_is_a_failed_span_with_its_status(traced: TracedFleet) ->
     assert call.attributes["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert named(spans, "validate and tokenize").status == 2
     assert not [s for s in spans if s.name in ("engine", "llm_request")]
-
-
-def test_with_tracing_off_nothing_is_sent(stack: TestStack, tmp_path: Path) -> None:
-    """The session's stack runs without tracing: a collector at OTLP's default address
-    receives nothing of a call that asks for a trace."""
-    assert not os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-    try:
-        receiver = OtlpReceiver(port=4317)
-    except RuntimeError:
-        pytest.skip("OTLP's default port 4317 is taken on this host")
-    try:
-        traceparent = caller_context()[2]
-        with grpc.insecure_channel(stack.grpc_target) as channel:
-            stub = completions_pb2_grpc.CompletionServiceStub(channel)
-            metadata = (("traceparent", traceparent), *GRPC_AUTH)
-            list(stub.CreateCompletion(grpc_request(prompt="x", max_tokens=2), metadata=metadata))
-        reply = httpx.post(
-            f"{stack.base_url}/v2/completions",
-            json=body(prompt="x", max_tokens=2),
-            headers={"traceparent": traceparent, "authorization": f"Bearer {API_KEY}"},
-            timeout=60,
-        )
-        assert reply.status_code == 200
-        time.sleep(6)  # longer than any exporter's batch delay
-        assert receiver.spans() == []
-    finally:
-        receiver.stop()
 
 
 def test_a_collector_that_is_down_costs_a_request_nothing(traced: TracedFleet) -> None:

@@ -24,6 +24,7 @@ from service.api.constraints import (
     json_value,
     structured_outputs,
 )
+from service.api.declared_ranges import declared_ranges
 from service.api.errors import Loc, RequestValidationError
 from service.api.validation import (
     Violations,
@@ -35,7 +36,6 @@ from service.api.validation import (
     check_stop,
     check_token_ids,
     constraint_sizes,
-    declared_ranges,
 )
 from service.settings import RequestLimits
 

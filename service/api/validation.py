@@ -6,11 +6,8 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from google.protobuf import struct_pb2
-from google.protobuf.descriptor import Descriptor
-from llmcompletions.v2 import completions_pb2
 from llmcompletions.v2.completions_pb2 import (
     CreateChatCompletionRequest,
     CreateCompletionRequest,
@@ -18,6 +15,12 @@ from llmcompletions.v2.completions_pb2 import (
     TokenizeRequest,
 )
 
+from service.api.declared_ranges import (
+    DECLARED_RANGES,
+    MAX_BEST_OF,
+    Bound,
+    Range,
+)
 from service.api.errors import FieldViolation, Loc, RequestValidationError, quote
 from service.api.prompts import PreparedPrompt, PromptFormError, PromptInput, parse_prompt
 from service.api.sampling import requested_max_tokens
@@ -31,44 +34,17 @@ EARLY_STOPPING_WORD = "never"
 DEFAULT_LIMITS = RequestLimits()
 
 
-@dataclass(frozen=True)
-class Bound:
-    value: float
-    inclusive: bool = True
-
-
-Range = tuple[Bound | None, Bound | None]  # None: unbounded on that side
 # The sampling, constraint and token-id fields that both kinds of request carry, under the
 # same names and rules.
 GenerationRequest = CreateCompletionRequest | CreateChatCompletionRequest
 
 
-def declared_ranges(message: Descriptor = CreateCompletionRequest.DESCRIPTOR) -> dict[str, Range]:
-    """The allowed range of each numeric request field, as the proto declares it (its
-    `allowed` option): the one source of these numbers."""
-    ranges: dict[str, Range] = {}
-    for field in message.fields:
-        options = field.GetOptions()
-        if not options.HasExtension(completions_pb2.allowed):
-            continue
-        allowed = options.Extensions[completions_pb2.allowed]
-        low = Bound(allowed.min, not allowed.min_exclusive) if allowed.HasField("min") else None
-        high = Bound(allowed.max, not allowed.max_exclusive) if allowed.HasField("max") else None
-        ranges[field.name] = (low, high)
-    return ranges
-
-
-DECLARED_RANGES = declared_ranges()
 # Checked with the rules that also involve another field (best_of >= n) or map entries.
 NUMERIC_RANGES = {
     name: bounds
     for name, bounds in DECLARED_RANGES.items()
     if name not in ("best_of", "logit_bias")
 }
-MAX_BEST_OF = int(DECLARED_RANGES["best_of"][1].value)  # type: ignore[union-attr]
-# The log-probabilities per step the engine must allow: beam search asks each step for
-# 2 x width of them (vLLM's default cap is 20).
-ENGINE_MAX_LOGPROBS = 2 * MAX_BEST_OF
 LOGIT_BIAS_RANGE = DECLARED_RANGES["logit_bias"]
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from service import __version__, cli
-from service.api.validation import ENGINE_MAX_LOGPROBS, MAX_BEST_OF
+from service.api.declared_ranges import ENGINE_MAX_LOGPROBS, MAX_BEST_OF
 from service.model.adapters import ModelCatalog
 from service.model.default_model import DEFAULT_SERVED_MODEL_NAME
 from service.model.engine import engine_args

@@ -12,7 +12,9 @@ import functools
 from collections import defaultdict
 from pathlib import Path
 
+from tests.conftest import SHARED_FIXTURES, SHARED_GROUPS
 from tests.engines import START_BUDGET
+from tests.shards import FLEET_MODULES, SHARD_ENGINES, may_start, real_modules, shard_modules
 
 TESTS = Path(__file__).resolve().parents[1]
 # Every start-up of a whole run; each costs about 50 s on a 2-core host.
@@ -92,3 +94,20 @@ def test_vllms_own_server_starts_only_as_a_shared_engine() -> None:
 def test_the_whole_runs_start_ups_stay_within_the_ceiling() -> None:
     assert all(budget >= 1 for budget in START_BUDGET.values())
     assert sum(START_BUDGET.values()) <= MAX_START_UPS
+
+
+def test_each_shared_engine_belongs_to_exactly_one_shard() -> None:
+    """Sharded runs (tests/shards.py) start each shared engine once: in the shard that owns
+    it, which holds every module that uses it."""
+    owners = [engine for engines in SHARD_ENGINES.values() for engine in engines]
+    assert sorted(owners) == sorted(set(SHARED_FIXTURES.values()))
+    for group in SHARED_GROUPS:
+        assert sum(bool(group & engines) for engines in SHARD_ENGINES.values()) == 1, group
+    for shard, engines in SHARD_ENGINES.items():
+        assert all(may_start(shard, engine) == (engine in engines) for engine in owners)
+
+
+def test_every_real_process_module_runs_in_one_shard() -> None:
+    shards = shard_modules()
+    assert set(FLEET_MODULES) <= set(real_modules()), "a listed module that does not exist"
+    assert sorted(m for modules in shards.values() for m in modules) == real_modules()

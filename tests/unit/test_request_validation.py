@@ -10,11 +10,11 @@ import pytest
 from llmcompletions.v2.completions_pb2 import CreateCompletionRequest
 from unit_fakes import MODEL, OMIT, VOCAB_SIZE, make_request
 
+from service.api.declared_ranges import Bound
 from service.api.errors import RequestValidationError
 from service.api.prompts import PromptInput
 from service.api.validation import (
     NUMERIC_RANGES,
-    Bound,
     describe_range,
     range_violation,
     validate_request,

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 import service
-from service.api.validation import DECLARED_RANGES, describe_range
+from service.api.declared_ranges import DECLARED_RANGES
+from service.api.validation import describe_range
 
 ROOT = Path(__file__).resolve().parents[2]
 FIELDS_PAGE = (ROOT / "docs" / "calling" / "fields.md").read_text()
