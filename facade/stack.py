@@ -29,6 +29,22 @@ from plumbing.ports import DEFAULT_GRPC_PORT
 STOP_TIMEOUT_SECONDS = 40.0
 
 
+def stop_processes(
+    processes: Sequence[subprocess.Popen[bytes]], timeout: float = STOP_TIMEOUT_SECONDS
+) -> None:
+    """SIGTERM to each process still running, then SIGKILL to any still running `timeout`
+    seconds later."""
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    for process in processes:
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 class StackError(RuntimeError):
     pass
 
@@ -168,15 +184,7 @@ class Stack:
         return f"::{self.grpc_target}::health_flags::healthy" in text
 
     def stop(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in self.processes:
-            try:
-                process.wait(timeout=STOP_TIMEOUT_SECONDS)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_processes(self.processes)
 
     def wait(self) -> int:
         """Until either process exits; the exit code of the first one that did."""

@@ -566,9 +566,9 @@ def test_a_drain_lasts_as_long_as_its_longest_request(cluster: Cluster) -> None:
     assert stream_ended > closed, "the long stream should still run when the listener closes"
     # The drain ends with its last request (plus stopping the engine), not the grace period.
     assert stopped - stream_ended <= ServerSettings.engine_stop_seconds + 2.0
-    # "Within a second or two": 0.1-0.2 s in most runs, 1.6 s in one (the kernel freeing a
-    # process of several GiB is part of it); the margin keeps a slow host from failing it.
-    assert exited - stopped <= 3.0
+    # Soon after 'stopped', not at the grace's end: 0.1-0.2 s in most runs, 1.6 s and 6.5 s on
+    # a loaded host (the kernel freeing processes of several GiB is part of it).
+    assert exited - stopped <= GRACE / 4
     assert not left_behind(engine, timeout=3), "the engine's processes outlived the server"
     assert cluster.traffic.failures(since=signalled - 1, until=exited + 1) == []
 

@@ -31,6 +31,7 @@ from llmcompletions.v2 import completions_pb2_grpc
 from facade import render
 from facade.balancing import PrefixAffinity
 from facade.pools import Pool
+from facade.stack import stop_processes
 from facade.tls import UpstreamTls
 from plumbing.tls import TlsSettings
 from tests.certificates import CertificateAuthority, KeyPair
@@ -293,8 +294,7 @@ def test_envoy_trusts_a_replica_only_with_a_certificate_for_its_host(
                 named != "localhost",
             )
         finally:
-            envoy.terminate()
-            envoy.wait(timeout=30)
+            stop_processes([envoy])
 
 
 def test_envoy_can_require_client_certificates(tls_stack: TestStack, pki: Pki) -> None:
