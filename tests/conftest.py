@@ -452,7 +452,7 @@ def start_background_work(items: list[pytest.Item]) -> None:
             BACKGROUND_JOBS[Path(module.__file__)] = BACKGROUND.submit(work)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def background_result(request: pytest.FixtureRequest) -> object:
     return BACKGROUND_JOBS[request.path].result()
 

@@ -126,13 +126,22 @@ def facade(replicas: list[TestStack], *launch_args: str) -> Iterator[Fleet]:
         envoy.wait(timeout=30)
 
 
-def wait_gone(process: psutil.Process, timeout: float = 30) -> None:
+def wait_gone(process: psutil.Process, timeout: float = 60) -> None:
     """Until the process has exited (a zombie waiting for its parent to reap it counts)."""
     deadline = time.monotonic() + timeout
     with contextlib.suppress(psutil.NoSuchProcess):
         while process.status() != psutil.STATUS_ZOMBIE:
-            assert time.monotonic() < deadline, f"process {process.pid} still running"
+            assert time.monotonic() < deadline, f"still running: {where_it_waits(process)}"
             time.sleep(0.1)
+
+
+def where_it_waits(process: psutil.Process) -> str:
+    """A process that should have exited: what it is, where the kernel has it waiting, and
+    its children (once seen on a loaded host: a picker's supervisor still there after 30 s)."""
+    wchan = Path(f"/proc/{process.pid}/wchan")
+    waiting = wchan.read_text() if wchan.exists() else "?"
+    children = [(c.pid, c.status(), c.cmdline()[-4:]) for c in process.children()]
+    return f"{process.pid} {process.cmdline()[:4]} {process.status()} in {waiting}; {children}"
 
 
 def is_picker(process: psutil.Process) -> bool:
