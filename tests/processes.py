@@ -24,7 +24,7 @@ import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from facade.picker.fleet import read_clusters
-from facade.stack import Stack, StackError
+from facade.stack import Stack, StackError, stop_processes
 from tests.engines import STARTS
 
 __all__ = [
@@ -137,8 +137,7 @@ def shared_picker(
             time.sleep(0.2)
         yield picker
     finally:
-        picker.terminate()
-        picker.wait(timeout=30)
+        stop_processes([picker])
         if output:
             output.close()
 

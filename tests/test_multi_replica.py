@@ -42,6 +42,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from llmcompletions.v2 import completions_pb2_grpc
 
 from facade.render import ENVOY_TEMPLATE
+from facade.stack import stop_processes
 from service.settings import ServerSettings
 from tests.conftest import ENGINE_START_TIMEOUT, SMALL_ENGINE
 from tests.helpers import body, grpc_request
@@ -428,8 +429,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterat
     finally:
         traffic.stop()
         watcher.done.set()
-        envoy.terminate()
-        envoy.wait(timeout=30)
+        stop_processes([envoy])
         for replica in replicas:
             if replica.process.poll() is None:
                 replica.kill()

@@ -22,6 +22,7 @@ import pytest
 from llmcompletions.v2 import completions_pb2_grpc
 from llmcompletions.v2.completions_pb2 import GetModelInfoRequest, ListModelsRequest
 
+from facade.stack import stop_processes
 from tests.conftest import API_KEY, AUTH_HEADERS, GRPC_AUTH, LORA_MODEL, MODEL
 from tests.helpers import CAPITAL_PROMPT, grpc_request
 from tests.metrics import scrape
@@ -85,8 +86,7 @@ def endpoint(stack: TestStack, lora_stack: TestStack) -> Iterator[Endpoint]:
             time.sleep(0.5)
         yield Endpoint(pools, envoy, http_port)
     finally:
-        envoy.terminate()
-        envoy.wait(timeout=30)
+        stop_processes([envoy])
 
 
 @pytest.fixture(scope="module")

@@ -46,6 +46,7 @@ from bench.routing import common_prefix_length
 from facade.balancing import PATH_HEADER, PrefixAffinity
 from facade.picker.policy import PromptPath
 from facade.picker.protocol import DESTINATION_HEADER
+from facade.stack import stop_processes
 from tests.certificates import CertificateAuthority
 from tests.conftest import MODEL, FleetReplicas
 from tests.helpers import body, grpc_request
@@ -122,8 +123,7 @@ def facade(replicas: list[TestStack], *launch_args: str) -> Iterator[Fleet]:
         time.sleep(RING_SETTLE_SECONDS)
         yield running
     finally:
-        envoy.terminate()
-        envoy.wait(timeout=30)
+        stop_processes([envoy])
 
 
 def wait_gone(process: psutil.Process, timeout: float = 60) -> None:

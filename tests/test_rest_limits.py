@@ -16,6 +16,7 @@ from llmcompletions.client import CompletionClient
 from llmcompletions.v2 import completions_pb2_grpc
 
 from facade.render import DEFAULT_MAX_REQUEST_BYTES
+from facade.stack import stop_processes
 from service.api.errors import MAX_QUOTED_NAME_CHARS
 from tests.conftest import API_KEY, AUTH_HEADERS, GRPC_AUTH, MODEL
 from tests.helpers import body, grpc_request, post
@@ -58,8 +59,7 @@ def debug_envoy(stack: TestStack) -> Iterator[DebugEnvoy]:
         probe.wait_until(probe.envoy_ready, timeout=60)
         yield DebugEnvoy(f"http://127.0.0.1:{http_port}", f"http://127.0.0.1:{admin_port}")
     finally:
-        envoy.terminate()
-        envoy.wait(timeout=30)
+        stop_processes([envoy])
 
 
 def retries(admin_url: str) -> int:
