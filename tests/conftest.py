@@ -86,8 +86,9 @@ SHARED_FIXTURES = {
     "small_stack": "small",
 }
 # Started together when a test first needs one of them (those that tests still need). The
-# adapter pair starts only when its modules do, after vLLM's server has stopped: four engines
-# at once hold about 19 GiB, too close to a 24 GiB host's memory beside the other shard's.
+# adapter pair starts only when its modules do, after vLLM's server has stopped: each engine's
+# processes hold about 4.5 GiB (top: worker 2.6-2.8, server 1.1, engine core 0.8), so four at
+# once beside the other shard's would come close to a 24 GiB host's memory.
 SHARED_GROUPS = (frozenset({"main", "vllm"}), frozenset({"lora", "vllm-lora"}))
 
 

@@ -14,7 +14,14 @@ from pathlib import Path
 
 from tests.conftest import SHARED_FIXTURES, SHARED_GROUPS
 from tests.engines import START_BUDGET
-from tests.shards import FLEET_MODULES, SHARD_ENGINES, may_start, real_modules, shard_modules
+from tests.shards import (
+    FLEET_MODULES,
+    SHARD_ENGINES,
+    may_start,
+    overall_exit,
+    real_modules,
+    shard_modules,
+)
 
 TESTS = Path(__file__).resolve().parents[1]
 # Every start-up of a whole run; each costs about 50 s on a 2-core host.
@@ -111,3 +118,10 @@ def test_every_real_process_module_runs_in_one_shard() -> None:
     shards = shard_modules()
     assert set(FLEET_MODULES) <= set(real_modules()), "a listed module that does not exist"
     assert sorted(m for modules in shards.values() for m in modules) == real_modules()
+
+
+def test_a_run_fails_if_any_shard_failed_or_was_killed() -> None:
+    assert overall_exit([0, 0]) == 0
+    assert overall_exit([0, 1]) == 1
+    assert overall_exit([2, 1]) == 2
+    assert overall_exit([-9, 0]) == 1  # killed by a signal: max() would have called it passed
