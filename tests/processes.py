@@ -41,6 +41,11 @@ __all__ = [
 
 EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 FREE_PORTS_BELOW_EPHEMERAL = 12_000
+# A test's own Envoy or picker gets a short grace after SIGTERM, then SIGKILL: no test that
+# starts one checks how it exits (Stack.stop, which the operator's path uses, keeps its 40 s).
+# With TLS files to watch, Envoy took 30-110 s to exit on a host loaded by both shards, its main
+# thread in close(2) the whole time, and those waits were a tenth of a shard's time.
+HELPER_STOP_SECONDS = 5.0
 handed_out: set[int] = set()
 
 
@@ -137,9 +142,14 @@ def shared_picker(
             time.sleep(0.2)
         yield picker
     finally:
-        stop_processes([picker])
+        stop_helpers([picker])
         if output:
             output.close()
+
+
+def stop_helpers(processes: Sequence[subprocess.Popen[bytes]]) -> None:
+    """Stop a test's own Envoys and pickers, whose exit no test checks."""
+    stop_processes(processes, timeout=HELPER_STOP_SECONDS)
 
 
 @dataclass

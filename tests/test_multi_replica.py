@@ -42,12 +42,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from llmcompletions.v2 import completions_pb2_grpc
 
 from facade.render import ENVOY_TEMPLATE
-from facade.stack import stop_processes
 from service.settings import ServerSettings
 from tests.conftest import ENGINE_START_TIMEOUT, SMALL_ENGINE
 from tests.helpers import body, grpc_request
 from tests.metrics import sample
-from tests.processes import TestStack, free_port, thread_affinities
+from tests.processes import TestStack, free_port, stop_helpers, thread_affinities
 
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
 
@@ -433,7 +432,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterat
     finally:
         traffic.stop()
         watcher.done.set()
-        stop_processes([envoy])
+        stop_helpers([envoy])
         for replica in replicas:
             if replica.process.poll() is None:
                 replica.kill()

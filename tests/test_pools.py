@@ -22,11 +22,10 @@ import pytest
 from llmcompletions.v2 import completions_pb2_grpc
 from llmcompletions.v2.completions_pb2 import GetModelInfoRequest, ListModelsRequest
 
-from facade.stack import stop_processes
 from tests.conftest import API_KEY, AUTH_HEADERS, GRPC_AUTH, LORA_MODEL, MODEL
 from tests.helpers import CAPITAL_PROMPT, grpc_request
 from tests.metrics import scrape
-from tests.processes import TestStack, free_port
+from tests.processes import TestStack, free_port, stop_helpers
 from tests.test_grpc_tooling import grpcurl
 
 ALPHA, BETA = MODEL, LORA_MODEL
@@ -86,7 +85,7 @@ def endpoint(stack: TestStack, lora_stack: TestStack) -> Iterator[Endpoint]:
             time.sleep(0.5)
         yield Endpoint(pools, envoy, http_port)
     finally:
-        stop_processes([envoy])
+        stop_helpers([envoy])
 
 
 @pytest.fixture(scope="module")

@@ -46,7 +46,6 @@ from bench.routing import common_prefix_length
 from facade.balancing import PATH_HEADER, PrefixAffinity
 from facade.picker.policy import PromptPath
 from facade.picker.protocol import DESTINATION_HEADER
-from facade.stack import stop_processes
 from tests.certificates import CertificateAuthority
 from tests.conftest import MODEL, FleetReplicas
 from tests.helpers import body, grpc_request
@@ -58,6 +57,7 @@ from tests.processes import (
     healthy_upstreams,
     lua_errors,
     shared_picker,
+    stop_helpers,
 )
 from tests.test_fuzz import fuzz_grpc, fuzz_rest, models, prompts
 from tests.test_grpc_tooling import grpcurl
@@ -123,7 +123,7 @@ def facade(replicas: list[TestStack], *launch_args: str) -> Iterator[Fleet]:
         time.sleep(RING_SETTLE_SECONDS)
         yield running
     finally:
-        stop_processes([envoy])
+        stop_helpers([envoy])
 
 
 def wait_gone(process: psutil.Process, timeout: float = 60) -> None:

@@ -16,11 +16,10 @@ from llmcompletions.client import CompletionClient
 from llmcompletions.v2 import completions_pb2_grpc
 
 from facade.render import DEFAULT_MAX_REQUEST_BYTES
-from facade.stack import stop_processes
 from service.api.errors import MAX_QUOTED_NAME_CHARS
 from tests.conftest import API_KEY, AUTH_HEADERS, GRPC_AUTH, MODEL
 from tests.helpers import body, grpc_request, post
-from tests.processes import TestStack, free_port
+from tests.processes import TestStack, free_port, stop_helpers
 
 # A token that decodes to 80 characters: echoing a prompt of it makes a large reply cheaply.
 WIDE_TOKEN = 45855
@@ -30,6 +29,12 @@ LONG = 100_000
 MAX_ERROR_BODY_BYTES = 2048
 MAX_ERROR_METADATA_BYTES = 8192
 SMALL_REPLY_LIMIT = 200_000
+# Prompt lengths one past a multiple of the KV-cache block (16 on a GPU, 128 on the CPU build):
+# every choice after the first then finds the whole prompt in the prefix cache and computes one
+# token. At 1000 tokens each of 64 choices recomputed its last 104, and on the CPU build attention
+# over a cached prefix is slow: that call took 21 s, at 1025 it takes about 1 s.
+WIDE_PROMPT_TOKENS = 1025
+NARROW_PROMPT_TOKENS = 513
 
 
 def wide_echo(prompt_tokens: int, n: int) -> dict[str, object]:
@@ -59,7 +64,7 @@ def debug_envoy(stack: TestStack) -> Iterator[DebugEnvoy]:
         probe.wait_until(probe.envoy_ready, timeout=60)
         yield DebugEnvoy(f"http://127.0.0.1:{http_port}", f"http://127.0.0.1:{admin_port}")
     finally:
-        stop_processes([envoy])
+        stop_helpers([envoy])
 
 
 def retries(admin_url: str) -> int:
@@ -68,39 +73,43 @@ def retries(admin_url: str) -> int:
 
 
 def test_a_whole_reply_larger_than_the_request_limit_arrives_whole(rest: httpx.Client) -> None:
-    response = post(rest, wide_echo(1000, 64))
+    response = post(rest, wide_echo(WIDE_PROMPT_TOKENS, 64))
     assert response.status_code == 200, response.text[:500]
     assert len(response.content) > DEFAULT_MAX_REQUEST_BYTES
     reply = response.json()
     assert [choice["index"] for choice in reply["choices"]] == list(range(64))
-    assert all(choice["text"] == WIDE_TOKEN_TEXT * 1000 for choice in reply["choices"])
-    assert reply["usage"]["prompt_tokens"] == 1000
+    assert all(
+        choice["text"] == WIDE_TOKEN_TEXT * WIDE_PROMPT_TOKENS for choice in reply["choices"]
+    )
+    assert reply["usage"]["prompt_tokens"] == WIDE_PROMPT_TOKENS
 
 
 def test_a_reply_over_the_facade_limit_is_a_clear_error_and_streams_fine(
     debug_envoy: DebugEnvoy,
 ) -> None:
     with httpx.Client(base_url=debug_envoy.base_url, headers=AUTH_HEADERS, timeout=120) as client:
-        refused = post(client, wide_echo(500, 8))
+        refused = post(client, wide_echo(NARROW_PROMPT_TOKENS, 8))
         assert refused.status_code == 400, refused.text[:500]
         assert refused.headers["content-type"].startswith("application/json")
         detail = refused.json()["detail"]
         assert f"{SMALL_REPLY_LIMIT}-byte limit" in detail and "`stream`" in detail
-        streamed = client.post("/v2/completions", json={**wide_echo(500, 8), "stream": True})
+        streamed = client.post(
+            "/v2/completions", json={**wide_echo(NARROW_PROMPT_TOKENS, 8), "stream": True}
+        )
         assert streamed.status_code == 200
         events = [line for line in streamed.text.splitlines() if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]"
         texts = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1])
-        assert texts == WIDE_TOKEN_TEXT * 500 * 8
+        assert texts == WIDE_TOKEN_TEXT * NARROW_PROMPT_TOKENS * 8
 
 
 def test_the_same_large_reply_reaches_the_typed_grpc_client_as_one_message(
     stack: TestStack,
 ) -> None:
     with CompletionClient(stack.grpc_target, api_key=API_KEY) as client:
-        reply = client.complete(**wide_echo(1000, 64))
+        reply = client.complete(**wide_echo(WIDE_PROMPT_TOKENS, 64))
     assert reply.ByteSize() > DEFAULT_MAX_REQUEST_BYTES
-    assert [choice.text for choice in reply.choices] == [WIDE_TOKEN_TEXT * 1000] * 64
+    assert [choice.text for choice in reply.choices] == [WIDE_TOKEN_TEXT * WIDE_PROMPT_TOKENS] * 64
 
 
 LONG_VALUES = {

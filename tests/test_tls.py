@@ -31,7 +31,6 @@ from llmcompletions.v2 import completions_pb2_grpc
 from facade import render
 from facade.balancing import PrefixAffinity
 from facade.pools import Pool
-from facade.stack import stop_processes
 from facade.tls import UpstreamTls
 from plumbing.tls import TlsSettings
 from tests.certificates import CertificateAuthority, KeyPair
@@ -43,6 +42,7 @@ from tests.processes import (
     envoy_counter,
     free_port,
     healthy_upstreams,
+    stop_helpers,
 )
 
 T = TypeVar("T")
@@ -294,7 +294,7 @@ def test_envoy_trusts_a_replica_only_with_a_certificate_for_its_host(
                 named != "localhost",
             )
         finally:
-            stop_processes([envoy])
+            stop_helpers([envoy])
 
 
 def test_envoy_can_require_client_certificates(tls_stack: TestStack, pki: Pki) -> None:
