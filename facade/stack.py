@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from facade.render import DEFAULT_ADMIN_PORT, DEFAULT_HTTP_PORT
 from facade.tls import UpstreamTls, grpc_channel, upstream_tls_from_env
-from plumbing.ports import DEFAULT_GRPC_PORT
+from plumbing.ports import DEFAULT_GRPC_PORT, frontend_ports
 
 STOP_TIMEOUT_SECONDS = 40.0
 
@@ -66,6 +66,17 @@ class Stack:
         return f"127.0.0.1:{self.grpc_port}"
 
     @property
+    def upstream_targets(self) -> list[str]:
+        """Where Envoy sends calls: the service's port, or with API_SERVER_COUNT > 1 each
+        frontend's own port, so that Envoy balances streams over the frontends."""
+        count = int(self.environment.get("API_SERVER_COUNT") or 1)
+        if count <= 1:
+            return [self.grpc_target]
+        given = self.environment.get("FRONTEND_PORTS")
+        ports = tuple(int(port) for port in given.split(",")) if given else ()
+        return [f"127.0.0.1:{port}" for port in frontend_ports(self.grpc_port, count, ports)]
+
+    @property
     def environment(self) -> dict[str, str]:
         return {**os.environ, **(self.env or {})}
 
@@ -99,8 +110,9 @@ class Stack:
         return [sys.executable, "-m", self.service_module, "serve", "--port", str(self.grpc_port)]
 
     def envoy_command(self) -> list[str]:
+        upstreams = [arg for target in self.upstream_targets for arg in ("--upstream", target)]
         return [
-            *(sys.executable, "-m", "facade.launch", "--upstream", self.grpc_target),
+            *(sys.executable, "-m", "facade.launch", *upstreams),
             *("--http-port", str(self.http_port), "--admin-port", str(self.admin_port)),
             *self.tracing_args(),
         ]
@@ -181,7 +193,7 @@ class Stack:
                 text = reply.read().decode()
         except OSError:
             return False
-        return f"::{self.grpc_target}::health_flags::healthy" in text
+        return all(f"::{target}::health_flags::healthy" in text for target in self.upstream_targets)
 
     def stop(self) -> None:
         stop_processes(self.processes)

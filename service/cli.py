@@ -5,15 +5,10 @@ named in its help."""
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
-import os
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
 
-import uvloop
-
+from plumbing.lifetime import exit_now
 from service import __version__
 from service.options import (
     add_chat_options,
@@ -23,6 +18,7 @@ from service.options import (
     add_server_options,
     add_transport_options,
     engine_settings,
+    frontend_ports_problem,
     one_of,
     server_settings,
 )
@@ -77,7 +73,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from service.model.adapters import AdapterError, check_adapters
     from service.model.default_model import model_directory
     from service.model.placement import PlacementError, binding
-    from service.transport.server import serve
+    from service.transport.server import run_server
 
     try:
         engine = engine_settings(args)
@@ -95,25 +91,15 @@ def run_serve(args: argparse.Namespace) -> int:
     except (AdapterError, CertificateError, ChatSettingsError, PlacementError) as error:
         print(f"llm-completions: error: {error}", file=sys.stderr)
         return 1
+    if (problem := frontend_ports_problem(server)) is not None:
+        print(f"llm-completions: error: {problem}", file=sys.stderr)
+        return 1
     raise_open_files_limit()  # each caller's connection is a file
-    # Not asyncio.run: its teardown is what exit_now skips. uvloop, as vLLM's own server: each
-    # streamed token wakes the loop twice (the engine's output, then gRPC's write completing),
-    # and uvloop's wake-ups cost less (docs/benchmarks.md, the frontend-heavy workload).
-    loop = uvloop.new_event_loop()
-    asyncio.set_event_loop(loop)
-    return loop.run_until_complete(serve(server, engine))
+    if server.api_server_count > 1:
+        from service.transport.replica import run_replica
 
-
-def exit_now(code: int) -> NoReturn:
-    """End the process as soon as the server has stopped. By then its calls have ended, the
-    engine's processes are gone and the ports are closed; what a normal exit would still do is
-    tear down the event loop (cancelling gRPC's leftover internal tasks, which logs spurious
-    errors) and the interpreter (freeing the model, torch's exit hooks): 3-7 s measured here,
-    during which the process and its metrics port stay up."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+        return run_replica(server, engine, (args.log_level, args.log_format))
+    return run_server(server, engine)
 
 
 def run_prepare_model(_: argparse.Namespace) -> int:

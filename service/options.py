@@ -238,6 +238,19 @@ def cpu_core_list(text: str) -> tuple[int, ...]:
 cpu_core_list.__name__ = "core list"  # argparse: "invalid core list value"
 
 
+def port_list(text: str) -> tuple[int, ...]:
+    try:
+        ports = tuple(int(item) for item in text.split(","))
+    except ValueError:
+        ports = ()
+    if not ports or not all(0 < port < 65536 for port in ports):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of ports such as 50052,50053")
+    return ports
+
+
+port_list.__name__ = "port list"
+
+
 def device_list(text: str) -> str:
     devices = [item.strip() for item in text.split(",")]
     if not all(devices):
@@ -365,6 +378,25 @@ def add_server_options(serve: argparse.ArgumentParser) -> None:
         "stay open); several keys, comma-separated, are several callers (a request is "
         "cancelled only by its own caller's key)",
         secret=True,
+    )
+    add_option(
+        serve,
+        "--api-server-count",
+        "API_SERVER_COUNT",
+        defaults.api_server_count,
+        "frontend processes serving calls over the one engine core, as `vllm serve "
+        "--api-server-count` (1 on a CPU: its cores go to the engine; on a GPU host, enough to "
+        "keep up with the engine's tokens: see docs on capacity)",
+        positive_int,
+    )
+    add_option(
+        serve,
+        "--frontend-ports",
+        "FRONTEND_PORTS",
+        None,
+        "with --api-server-count N > 1, each frontend's own port, comma-separated (default: "
+        "the N ports after --port); Envoy balances streams over them",
+        port_list,
     )
     add_option(serve, "--metrics-host", "METRICS_HOST", defaults.metrics_host, "Prometheus address")
     add_option(
@@ -535,10 +567,25 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
     )
 
 
+def frontend_ports_problem(settings: ServerSettings) -> str | None:
+    """What is wrong with the frontends' own ports, if anything."""
+    ports = settings.own_ports()
+    if settings.api_server_count > 1 and len(ports) != settings.api_server_count:
+        return (
+            f"--frontend-ports lists {len(ports)} ports for --api-server-count "
+            f"{settings.api_server_count}: give one per frontend"
+        )
+    if settings.api_server_count > 1 and (settings.port in ports or len(set(ports)) < len(ports)):
+        return "--frontend-ports must differ from --port and from each other"
+    return None
+
+
 def server_settings(args: argparse.Namespace) -> ServerSettings:
     return ServerSettings(
         host=args.host,
         port=args.port,
+        api_server_count=args.api_server_count,
+        frontend_ports=args.frontend_ports or (),
         shutdown_grace_seconds=args.shutdown_grace,
         drain_delay_seconds=args.drain_delay,
         api_key=args.api_key,

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from plumbing.keepalive import KeepaliveSettings
-from plumbing.ports import DEFAULT_GRPC_PORT
+from plumbing.ports import DEFAULT_GRPC_PORT, frontend_ports
 from plumbing.tls import TlsSettings
 from plumbing.tracing import TracingSettings
 
@@ -109,3 +109,11 @@ class ServerSettings:
     tls: TlsSettings | None = None  # None: plaintext
     chat: ChatSettings = field(default_factory=ChatSettings)
     tracing: TracingSettings | None = None  # None: no tracing
+    # Frontend processes over the one engine core (vLLM's --api-server-count): each listens on
+    # `port` (shared, SO_REUSEPORT) and on its own port, by default the ones after `port`.
+    api_server_count: int = 1
+    frontend_ports: tuple[int, ...] = ()
+
+    def own_ports(self) -> tuple[int, ...]:
+        """Each frontend's own port: as given, else the `api_server_count` after `port`."""
+        return frontend_ports(self.port, self.api_server_count, self.frontend_ports)

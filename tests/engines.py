@@ -38,6 +38,9 @@ START_BUDGET: dict[str, int] = {
     "multi-replica": 3,
     "lifetime": 8,  # stopped at four moments of its start, by SIGTERM and by SIGKILL
     "image": 1,  # the image's install, started as the image starts it
+    # Two frontends over one engine core: one shared by the module (its last test drains it),
+    # one whose frontend is killed, one whose engine core is.
+    "frontends": 3,
 }
 
 

@@ -8,10 +8,10 @@ import logging
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm import AsyncEngineArgs, envs
-from vllm.config import StructuredOutputsConfig
+from vllm.config import StructuredOutputsConfig, VllmConfig
 from vllm.platforms import current_platform
 from vllm.tokenizers import TokenizerLike
 from vllm.usage.usage_lib import UsageContext
@@ -24,6 +24,9 @@ from service.model.lifetime import mark_engine_parent
 from service.model.load import EngineLoad
 from service.model.placement import confine_engine_core, place_engine
 from service.settings import EngineSettings
+
+if TYPE_CHECKING:
+    from service.model.frontends import FrontendLink
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +126,8 @@ def engine_args(
 
 
 # Engine arguments that change nothing the model generates.
-NOT_CONFIGURATION = frozenset({"otlp_traces_endpoint"})
+# (A frontend's rank among several is not configuration either: every one answers alike.)
+NOT_CONFIGURATION = frozenset({"otlp_traces_endpoint", "_api_process_count", "_api_process_rank"})
 
 
 def fingerprint(args: AsyncEngineArgs) -> str:
@@ -144,30 +148,47 @@ def eos_token_ids(engine: AsyncLLM) -> tuple[int, ...]:
     return tuple(sorted(token for token in found if isinstance(token, int)))
 
 
-def start_engine(settings: EngineSettings) -> ServedModel:
-    """Build the engine (blocking: run it off the event loop)."""
-    model_dir = model_directory(settings.model)
-    scratch = tempfile.TemporaryDirectory(prefix="llm-completions-")
-    catalog = build_catalog(settings, Path(scratch.name))
-    args = engine_args(settings, model_dir, catalog)
-    logger.info(
-        "starting engine: model=%s served_as=%s dtype=%s",
-        model_dir,
-        settings.served_model_name,
-        args.dtype,
-    )
-    # The periodic throughput log line would drown the one-line-per-request log.
-    logging.getLogger("vllm.v1.metrics.loggers").setLevel(logging.WARNING)
-    mark_engine_parent(Path(scratch.name))  # the engine's processes die with this one
+def prepare_engine_processes(settings: EngineSettings, scratch: Path) -> None:
+    """Before the engine core starts: its processes die with this one, and run where the
+    settings place them."""
+    mark_engine_parent(scratch)
     place_engine(
         settings.cpu_cores,
         settings.gpu_devices,
         ranks=settings.tensor_parallel_size * settings.pipeline_parallel_size,
         on_cpu=current_platform.is_cpu(),
     )
-    # Resolved as `vllm serve` resolves it: the batch size and step follow the device for an
-    # API server (vLLM's generic defaults, for the engine used as a library, do not).
-    config = args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+
+
+def api_server_config(args: AsyncEngineArgs, frontends: int = 1, rank: int = 0) -> VllmConfig:
+    """Resolved as `vllm serve` resolves it: the batch size and step follow the device for an
+    API server (vLLM's generic defaults, for the engine used as a library, do not). With several
+    frontends, `rank` is this one's (-1: the parent that launches the engine core)."""
+    if frontends > 1:
+        args._api_process_count = frontends
+        args._api_process_rank = rank
+    return args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+
+
+def start_engine(settings: EngineSettings, link: FrontendLink | None = None) -> ServedModel:
+    """Build the engine (blocking: run it off the event loop): in this process's care, or with
+    a `link`, as one frontend of an engine core its parent process launched."""
+    model_dir = model_directory(settings.model)
+    scratch = tempfile.TemporaryDirectory(prefix="llm-completions-")
+    catalog = build_catalog(settings, Path(scratch.name))
+    args = engine_args(settings, model_dir, catalog)
+    logger.info(
+        "starting engine: model=%s served_as=%s dtype=%s%s",
+        model_dir,
+        settings.served_model_name,
+        args.dtype,
+        "" if link is None else f" (frontend {link.index} of {link.count})",
+    )
+    # The periodic throughput log line would drown the one-line-per-request log.
+    logging.getLogger("vllm.v1.metrics.loggers").setLevel(logging.WARNING)
+    if link is None:
+        prepare_engine_processes(settings, Path(scratch.name))
+    config = api_server_config(args, *(() if link is None else (link.count, link.index)))
     capacity = resolve_capacity(config)
     load = EngineLoad(capacity.max_num_seqs, capacity.max_num_queued_reqs)
     engine = AsyncLLM.from_vllm_config(
@@ -175,8 +196,9 @@ def start_engine(settings: EngineSettings) -> ServedModel:
         usage_context=UsageContext.OPENAI_API_SERVER,
         disable_log_stats=args.disable_log_stats,
         stat_loggers=[load.stat_logger],
+        **({} if link is None else link.client_arguments()),
     )
-    if current_platform.is_cpu():
+    if link is None and current_platform.is_cpu():
         confine_engine_core()
     # vLLM reads some of its settings from the environment for every generated token (1.9 us a
     # read, 0.3 cached). Nothing here changes them once the engine runs: cache them, as vLLM's

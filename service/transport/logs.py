@@ -47,9 +47,23 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False, default=str)
 
 
-def configure_logging(level: str, fmt: str) -> None:
+class FrontendField(logging.Filter):
+    """Every line of a frontend process of several says which one it is."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.fields = {**event_fields(record), "frontend": self.index}
+        return True
+
+
+def configure_logging(level: str, fmt: str, frontend: int | None = None) -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else PlainFormatter())
+    if frontend is not None:
+        handler.addFilter(FrontendField(frontend))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

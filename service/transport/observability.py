@@ -2,18 +2,26 @@
 
 The engine's own metrics (vllm:*: queue, KV-cache use, engine-side latencies and token
 counts) are registered by vLLM in the same registry and served beside these.
+
+A replica with several frontend processes keeps its metrics in prometheus_client's
+multiprocess mode (PROMETHEUS_MULTIPROC_DIR, set by the parent before it starts them): the
+parent serves one scrape, counters summed over the frontends and the request counter labelled
+with the frontend that served; each frontend writes its gauges' values every GAUGE_SECONDS.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from google.protobuf.message import Message
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.multiprocess import MultiProcessCollector
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from service.api.backlog import Backlog
@@ -24,10 +32,15 @@ logger = logging.getLogger("service.requests")
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 TOKEN_GAP_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 
+MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"
+SEVERAL_FRONTENDS = MULTIPROCESS_ENV in os.environ
+GAUGE_SECONDS = 0.25
+FRONTEND: dict[str, str] = {}  # {"frontend": index} in a frontend of several
+
 REQUESTS = Counter(
     "llmcompletions_requests",
-    "Completion requests by gRPC method and final status",
-    ["method", "code"],
+    "Completion requests by gRPC method and final status (and frontend, with several)",
+    ["method", "code", *(["frontend"] if SEVERAL_FRONTENDS else [])],
 )
 REQUEST_SECONDS = Histogram(
     "llmcompletions_request_duration_seconds",
@@ -55,24 +68,31 @@ COMPLETION_TOKENS = Counter(
 )
 
 
-IN_FLIGHT = Gauge("llmcompletions_requests_in_flight", "Calls being served")
+# With several frontends, each gauge is the sum over the live ones (capacity: the same in all).
+IN_FLIGHT = Gauge(
+    "llmcompletions_requests_in_flight", "Calls being served", multiprocess_mode="livesum"
+)
 ENGINE_UNFINISHED = Gauge(
     "llmcompletions_engine_unfinished_requests",
     "Requests the engine has not finished (running or queued), read when scraped",
+    multiprocess_mode="livesum",
 )
 QUEUED_PROMPT_TOKENS = Gauge(
     "llmcompletions_queued_prompt_tokens",
     "Prompt tokens of engine requests not yet past prefill (bounded by max_num_queued_tokens)",
+    multiprocess_mode="livesum",
 )
 PREPARING = Gauge(
     "llmcompletions_requests_preparing",
     "Calls being validated and tokenized, not yet in the engine (nothing else waits here)",
+    multiprocess_mode="livesum",
 )
 CAPACITY = Gauge(
     "llmcompletions_capacity",
     "The limits in force: the engine's batch (max_num_seqs, max_num_batched_tokens) and the "
     "backlog past which requests are refused (max_num_queued_reqs, max_num_queued_tokens)",
     ["limit"],
+    multiprocess_mode="max",
 )
 
 
@@ -81,15 +101,38 @@ def serve_metrics(host: str, port: int) -> None:
     logger.info("metrics on http://%s:%d/metrics", host, port)
 
 
-def watch_engine_gauges(engine: AsyncLLM) -> None:
-    ENGINE_UNFINISHED.set_function(engine.get_num_unfinished_requests)
-    QUEUED_PROMPT_TOKENS.set_function(engine.get_num_queued_tokens)
+def serve_frontends_metrics(host: str, port: int) -> None:
+    """In the parent of several frontends: one scrape of what they all wrote."""
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry)
+    start_http_server(port, addr=host, registry=registry)
+    logger.info("metrics of every frontend on http://%s:%d/metrics", host, port)
 
 
-def watch_backlog(backlog: Backlog) -> None:
-    PREPARING.set_function(lambda: backlog.preparing_calls)
+def label_frontend(index: int) -> None:
+    FRONTEND["frontend"] = str(index)
+
+
+def watch_engine_gauges(engine: AsyncLLM, backlog: Backlog) -> asyncio.Task[None] | None:
+    """The engine's and the backlog's gauges: read when scraped, or with several frontends
+    (whose scrape reads files) written every GAUGE_SECONDS by the task returned."""
     for limit, value in dataclasses.asdict(backlog.capacity).items():
         CAPACITY.labels(limit).set(value)
+    if SEVERAL_FRONTENDS:
+        return asyncio.ensure_future(write_gauges(engine, backlog))
+    ENGINE_UNFINISHED.set_function(engine.get_num_unfinished_requests)
+    QUEUED_PROMPT_TOKENS.set_function(engine.get_num_queued_tokens)
+    PREPARING.set_function(lambda: backlog.preparing_calls)
+    return None
+
+
+async def write_gauges(engine: AsyncLLM, backlog: Backlog) -> None:
+    while True:
+        ENGINE_UNFINISHED.set(engine.get_num_unfinished_requests())
+        QUEUED_PROMPT_TOKENS.set(engine.get_num_queued_tokens())
+        PREPARING.set(backlog.preparing_calls)
+        backlog.publish()  # prefill done meanwhile frees queued tokens for every frontend
+        await asyncio.sleep(GAUGE_SECONDS)
 
 
 def choice_text(choice: Any) -> str:
@@ -143,7 +186,7 @@ class RequestRecord:
     def finish(self, code: str) -> None:
         """Count the request once, with its final status, and write its log line."""
         latency = time.monotonic() - self.started
-        REQUESTS.labels(self.method, code).inc()
+        REQUESTS.labels(self.method, code, *FRONTEND.values()).inc()
         REQUEST_SECONDS.observe(latency)
         self.observe_time_per_output_token()
         PROMPT_TOKENS.inc(self.prompt_tokens)

@@ -8,6 +8,7 @@ import signal
 from collections.abc import Awaitable, Callable
 
 import grpc
+import uvloop
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from llmcompletions.v2 import completions_pb2, completions_pb2_grpc
@@ -17,7 +18,7 @@ from plumbing.call_backlog import call_backlog_options
 from plumbing.keepalive import server_options
 from plumbing.tls import server_credentials
 from plumbing.tracing import flush_tracing, start_tracing
-from service.api.backlog import Backlog
+from service.api.backlog import Backlog, ReplicaTally
 from service.api.cancellation import Cancellations
 from service.api.chat import ChatHandler
 from service.api.completions import CompletionHandler
@@ -29,10 +30,11 @@ from service.model.load import LoadSnapshot
 from service.settings import EngineSettings, ServerSettings
 from service.transport.auth import ApiKeyInterceptor
 from service.transport.error_mapping import ErrorMappingInterceptor
+from service.transport.frontend import FrontendRole
 from service.transport.interception import StreamInterceptor
 from service.transport.key_order import KeyOrderInterceptor
 from service.transport.load_reports import LoadReports
-from service.transport.observability import serve_metrics, watch_backlog, watch_engine_gauges
+from service.transport.observability import label_frontend, serve_metrics, watch_engine_gauges
 from service.transport.request_context import RequestContextInterceptor
 from service.transport.servicer import CompletionServicer, Serving
 
@@ -125,7 +127,10 @@ def interceptor_chain(settings: ServerSettings, state: ServiceState) -> list[Str
 
 
 def build_server(
-    settings: ServerSettings, state: ServiceState, calls: CallTracker
+    settings: ServerSettings,
+    state: ServiceState,
+    calls: CallTracker,
+    role: FrontendRole | None = None,
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     server = grpc.aio.server(
         interceptors=[KeyOrderInterceptor(), calls, *interceptor_chain(settings, state)],
@@ -133,21 +138,36 @@ def build_server(
             ("grpc.max_receive_message_length", settings.max_message_bytes),
             ("grpc.max_send_message_length", settings.max_message_bytes),
             # A second server on the same port fails to start instead of sharing it, e.g. a
-            # replica restarted while the old process still drains.
-            ("grpc.so_reuseport", 0),
+            # replica restarted while the old process still drains; the frontends of one
+            # replica share its port (the parent checked that the ports were free).
+            ("grpc.so_reuseport", 0 if role is None else 1),
             *server_options(settings.keepalive),
             *call_backlog_options(),
         ],
     )
+    siblings = None if role is None else role.siblings()
     completions_pb2_grpc.add_CompletionServiceServicer_to_server(
-        CompletionServicer(lambda: state.serving), server
+        CompletionServicer(lambda: state.serving, siblings), server
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         [COMPLETION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
-    address = f"{settings.host}:{settings.port}"
+    for address in listening_addresses(settings, role):
+        listen(server, address, settings)
+    if role is not None:  # the other frontends' cancels, from this host only
+        server.add_insecure_port(f"unix:{role.own_socket}")
+    return server, health_servicer
+
+
+def listening_addresses(settings: ServerSettings, role: FrontendRole | None) -> list[str]:
+    """The replica's port, and a frontend's own as well."""
+    ports = [settings.port] if role is None else [settings.port, role.own_port]
+    return [f"{settings.host}:{port}" for port in ports]
+
+
+def listen(server: grpc.aio.Server, address: str, settings: ServerSettings) -> None:
     try:
         if settings.tls is None:
             bound = server.add_insecure_port(address)
@@ -159,12 +179,12 @@ def build_server(
         raise SystemExit(
             f"cannot listen on {address}: is the port in use? Pick another with --port"
         )
-    return server, health_servicer
 
 
-def serving(model: ServedModel, settings: ServerSettings) -> Serving:
-    backlog = Backlog(model.engine, model.capacity)
-    watch_backlog(backlog)
+def serving(
+    model: ServedModel, settings: ServerSettings, tally: ReplicaTally | None = None
+) -> Serving:
+    backlog = Backlog(model.engine, model.capacity, tally)
     completions = CompletionHandler(
         model, settings.limits, backlog, always_metrics=settings.per_request_metrics
     )
@@ -179,21 +199,42 @@ async def set_health(health_servicer: health.aio.HealthServicer, status: int) ->
         await health_servicer.set(name, status)
 
 
-async def serve(server_settings: ServerSettings, engine_settings: EngineSettings) -> int:
-    """Run until SIGINT or SIGTERM; return the process exit code."""
+def run_server(
+    server_settings: ServerSettings,
+    engine_settings: EngineSettings,
+    role: FrontendRole | None = None,
+) -> int:
+    """Serve until stopped; the exit code. Not asyncio.run: its teardown is what exit_now
+    skips. uvloop, as vLLM's own server: each streamed token wakes the loop twice (the engine's
+    output, then gRPC's write completing), and uvloop's wake-ups cost less (docs/benchmarks.md,
+    the frontend-heavy workload)."""
+    loop = uvloop.new_event_loop()
+    asyncio.set_event_loop(loop)
+    return loop.run_until_complete(serve(server_settings, engine_settings, role))
+
+
+async def serve(
+    server_settings: ServerSettings,
+    engine_settings: EngineSettings,
+    role: FrontendRole | None = None,
+) -> int:
+    """Run until SIGINT or SIGTERM; return the process exit code. With a `role`, as one of
+    several frontends over an engine core that the parent process runs (and whose metrics it
+    serves)."""
     if server_settings.tracing is not None:
         start_tracing(server_settings.tracing)  # before the engine's: vLLM's spans go with ours
     state = ServiceState()
     calls = CallTracker(WORKING_METHODS)
-    server, health_servicer = build_server(server_settings, state, calls)
-    if server_settings.metrics_port is not None:
+    server, health_servicer = build_server(server_settings, state, calls, role)
+    if role is not None:
+        label_frontend(role.link.index)
+    elif server_settings.metrics_port is not None:
         serve_metrics(server_settings.metrics_host, server_settings.metrics_port)
     await server.start()
     await set_health(health_servicer, NOT_SERVING)
     logger.info(
-        "gRPC listening on %s:%d (%s); loading the engine",
-        server_settings.host,
-        server_settings.port,
+        "gRPC listening on %s (%s); loading the engine",
+        ", ".join(listening_addresses(server_settings, role)),
         describe_transport(server_settings),
     )
 
@@ -203,7 +244,9 @@ async def serve(server_settings: ServerSettings, engine_settings: EngineSettings
         loop.add_signal_handler(signum, stop.set)
 
     model: ServedModel | None = None
-    loading = asyncio.ensure_future(asyncio.to_thread(start_engine, engine_settings))
+    gauges: asyncio.Task[None] | None = None
+    link = None if role is None else role.link
+    loading = asyncio.ensure_future(asyncio.to_thread(start_engine, engine_settings, link))
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
     exit_code = 0
@@ -216,9 +259,9 @@ async def serve(server_settings: ServerSettings, engine_settings: EngineSettings
     if model is not None and not await adapters_loaded(model):
         exit_code = 1
     if model is not None and exit_code == 0:
-        state.serving = serving(model, server_settings)
+        state.serving = serving(model, server_settings, None if role is None else role.tally())
         state.model = model
-        watch_engine_gauges(model.engine)
+        gauges = watch_engine_gauges(model.engine, state.serving.completions.backlog)
         # As vLLM's own server does once it is up: the objects made at start (the model's
         # config, the tokenizer, the modules) leave the garbage collector's generations, so
         # its collections while serving walk only what requests allocate.
@@ -240,6 +283,8 @@ async def serve(server_settings: ServerSettings, engine_settings: EngineSettings
         # Keep serving while load balancers' health checks see NOT_SERVING and stop sending.
         await asyncio.sleep(server_settings.drain_delay_seconds)
     await drain(server, calls, server_settings.shutdown_grace_seconds)
+    if gauges is not None:
+        gauges.cancel()
     if model is not None:
         model.engine.shutdown(timeout=server_settings.engine_stop_seconds)
     if server_settings.tracing is not None:

@@ -32,10 +32,15 @@ from service.api import endpoint_models
 from service.api.cancellation import Cancellations
 from service.api.chat import ChatHandler
 from service.api.completions import CompletionHandler
-from service.api.errors import EngineUnavailableError
+from service.api.errors import (
+    CancelForbiddenError,
+    CancelTargetNotFoundError,
+    EngineUnavailableError,
+)
 from service.api.model_listing import ModelListing
 from service.api.tokenization import Tokenization
 from service.transport.request_context import current_record
+from service.transport.sibling_cancel import SiblingCancels, is_forwarded
 
 
 @dataclass(frozen=True)
@@ -50,8 +55,11 @@ class Serving:
 
 
 class CompletionServicer(completions_pb2_grpc.CompletionServiceServicer):
-    def __init__(self, serving: Callable[[], Serving | None]) -> None:
+    def __init__(
+        self, serving: Callable[[], Serving | None], siblings: SiblingCancels | None = None
+    ) -> None:
         self._serving = serving  # None until the engine is ready
+        self.siblings = siblings  # the replica's other frontends, if it has several
 
     async def CreateCompletion(
         self, request: CreateCompletionRequest, context: grpc.aio.ServicerContext
@@ -77,12 +85,33 @@ class CompletionServicer(completions_pb2_grpc.CompletionServiceServicer):
     async def CancelCompletion(
         self, request: CancelCompletionRequest, context: grpc.aio.ServicerContext
     ) -> CancelCompletionResponse:
-        cancelled = await self.serving().cancellations.cancel(
-            request.request_id, current_record().principal
-        )
+        try:
+            cancelled = await self.serving().cancellations.cancel(
+                request.request_id, current_record().principal
+            )
+        except (CancelTargetNotFoundError, CancelForbiddenError) as here:
+            metadata = tuple(context.invocation_metadata() or ())
+            if self.siblings is None or is_forwarded(metadata):
+                raise
+            cancelled = await self.cancel_in_siblings(request, metadata, here)
         return CancelCompletionResponse(
             request_id=request.request_id, object="completion.cancelled", cancelled=cancelled
         )
+
+    async def cancel_in_siblings(
+        self,
+        request: CancelCompletionRequest,
+        metadata: tuple[tuple[str, str | bytes], ...],
+        here: CancelTargetNotFoundError | CancelForbiddenError,
+    ) -> int:
+        """The calls the other frontends cancelled; else the most telling refusal."""
+        assert self.siblings is not None
+        done, codes = await self.siblings.cancel(request, metadata)
+        if done:
+            return sum(reply.cancelled for reply in done)
+        if grpc.StatusCode.PERMISSION_DENIED in codes:
+            raise CancelForbiddenError(request.request_id)
+        raise here
 
     async def ListModels(
         self, request: ListModelsRequest, context: grpc.aio.ServicerContext

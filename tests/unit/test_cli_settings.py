@@ -516,7 +516,7 @@ def served(monkeypatch: pytest.MonkeyPatch) -> list[tuple[ServerSettings, Engine
 
     received: list[tuple[ServerSettings, EngineSettings]] = []
 
-    async def fake_serve(server: ServerSettings, engine: EngineSettings) -> int:
+    async def fake_serve(server: ServerSettings, engine: EngineSettings, role: None = None) -> int:
         received.append((server, engine))
         return 0
 

@@ -1,0 +1,239 @@
+"""One replica, two frontend processes over one engine core (`API_SERVER_COUNT=2`), on the
+tiny model: Envoy spreads streams over both, a cancel works whichever frontend it reaches, the
+backlog bound holds for the replica, /metrics is one scrape of both, SIGTERM drains both and
+leaves nothing, and a dead frontend or engine core takes the replica down cleanly."""
+
+from __future__ import annotations
+
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import psutil
+import pytest
+from llmcompletions.v2 import completions_pb2_grpc
+from llmcompletions.v2.completions_pb2 import CancelCompletionRequest
+
+from tests.conftest import (
+    API_KEY,
+    AUTH_HEADERS,
+    ENGINE_START_TIMEOUT,
+    GRPC_AUTH,
+    OTHER_API_KEY,
+    SMALL_ENGINE,
+)
+from tests.helpers import body, grpc_request
+from tests.metrics import sample, scrape
+from tests.processes import TestStack, free_port
+
+FRONTENDS = 2
+BOUND = 6  # --max-num-queued-reqs: sequences waiting or running in the whole replica
+LONG = {"prompt": "Count:", "max_tokens": 400, "ignore_eos": True, "stream": True}
+OTHER_AUTH = (("authorization", f"Bearer {OTHER_API_KEY}"),)
+UNFINISHED = "llmcompletions_engine_unfinished_requests"
+GONE_SECONDS = 30
+
+
+def start_replica(log: Path, with_envoy: bool) -> TestStack:
+    ports = [free_port() for _ in range(FRONTENDS)]
+    replica = TestStack(
+        grpc_port=free_port(),
+        http_port=free_port(),
+        admin_port=free_port(),
+        service_args=[
+            *SMALL_ENGINE,
+            *("--api-key", f"{API_KEY},{OTHER_API_KEY}"),
+            *("--metrics-port", str(free_port())),
+            *("--max-num-seqs", "4", "--max-num-queued-reqs", str(BOUND)),
+        ],
+        env={"API_SERVER_COUNT": str(FRONTENDS), "FRONTEND_PORTS": ",".join(map(str, ports))},
+        service_log=log,
+        engine="frontends",
+    )
+    replica.start(with_envoy)
+    if with_envoy:
+        replica.wait_ready(ENGINE_START_TIMEOUT)
+    else:
+        replica.wait_ready_service(ENGINE_START_TIMEOUT)
+    return replica
+
+
+def frontend_targets(replica: TestStack) -> list[str]:
+    return replica.upstream_targets
+
+
+@pytest.fixture(scope="module")
+def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestStack]:
+    started = start_replica(tmp_path_factory.mktemp("frontends") / "service.log", True)
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+def served_by_frontend(replica: TestStack) -> dict[str, float]:
+    counts = {str(index): 0.0 for index in range(FRONTENDS)}
+    for (name, labels), value in scrape(replica.metrics_url).items():
+        found = dict(labels)
+        if name == "llmcompletions_requests_total" and found.get("code") == "OK":
+            counts[found["frontend"]] += value
+    return counts
+
+
+def stream_through_envoy(replica: TestStack) -> list[str]:
+    with httpx.Client(base_url=replica.base_url, headers=AUTH_HEADERS, timeout=120) as rest:
+        events = []
+        with rest.stream(
+            "POST",
+            "/v2/completions",
+            json=body(prompt="Hi", max_tokens=8, stream=True, ignore_eos=True),
+        ) as response:
+            assert response.status_code == 200
+            events = [line for line in response.iter_lines() if line.startswith("data: ")]
+    return events
+
+
+def test_envoy_spreads_streams_over_both_frontends(replica: TestStack) -> None:
+    before = served_by_frontend(replica)
+    with ThreadPoolExecutor(8) as pool:
+        streams = list(pool.map(lambda _: stream_through_envoy(replica), range(24)))
+    assert all(events[-1] == "data: [DONE]" for events in streams)
+    after = served_by_frontend(replica)
+    grew = {frontend: after[frontend] - before[frontend] for frontend in after}
+    assert sum(grew.values()) == 24, grew  # one scrape counts every frontend's calls
+    assert all(count >= 4 for count in grew.values()), f"streams per frontend: {grew}"
+
+
+def long_stream(target: str, request_id: str, auth: Any = GRPC_AUTH, **fields: Any) -> Any:
+    channel = grpc.insecure_channel(target)
+    stub = completions_pb2_grpc.CompletionServiceStub(channel)
+    call = stub.CreateCompletion(
+        grpc_request(**{**LONG, **fields}),
+        timeout=120,
+        metadata=(*auth, ("x-request-id", request_id)),
+    )
+    next(call)  # running in the engine
+    return call
+
+
+def cancel(target: str, request_id: str, auth: Any = GRPC_AUTH) -> Any:
+    with grpc.insecure_channel(target) as channel:
+        stub = completions_pb2_grpc.CompletionServiceStub(channel)
+        return stub.CancelCompletion(
+            CancelCompletionRequest(request_id=request_id), timeout=30, metadata=auth
+        )
+
+
+@pytest.mark.parametrize(("runs_on", "cancelled_on"), [(0, 1), (1, 0)])
+def test_a_cancel_reaching_either_frontend_ends_the_stream(
+    replica: TestStack, runs_on: int, cancelled_on: int
+) -> None:
+    targets = frontend_targets(replica)
+    request_id = f"frontends-{uuid.uuid4().hex}"
+    call = long_stream(targets[runs_on], request_id)
+    with pytest.raises(grpc.RpcError) as forbidden:
+        cancel(targets[cancelled_on], request_id, OTHER_AUTH)
+    assert forbidden.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    with pytest.raises(grpc.RpcError) as unknown:
+        cancel(targets[cancelled_on], f"unknown-{uuid.uuid4().hex}")
+    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+    assert cancel(targets[cancelled_on], request_id).cancelled == 1
+    with pytest.raises(grpc.RpcError) as ended:
+        list(call)
+    assert ended.value.code() == grpc.StatusCode.CANCELLED
+    wait_for_unfinished(replica, 0)
+
+
+def wait_for_unfinished(replica: TestStack, count: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while sample(replica.metrics_url, UNFINISHED) != count:
+        assert time.monotonic() < deadline, f"the replica never had {count} unfinished requests"
+        time.sleep(0.1)
+
+
+def test_a_backlog_filled_through_one_frontend_refuses_on_the_other(replica: TestStack) -> None:
+    targets = frontend_targets(replica)
+    request_id = f"frontends-{uuid.uuid4().hex}"
+    call = long_stream(targets[0], request_id, n=BOUND)
+    with grpc.insecure_channel(targets[1]) as channel:
+        stub = completions_pb2_grpc.CompletionServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            list(
+                stub.CreateCompletion(
+                    grpc_request(prompt="Hi", max_tokens=1), timeout=30, metadata=GRPC_AUTH
+                )
+            )
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"bound of {BOUND}" in (refused.value.details() or "")
+    assert cancel(targets[1], request_id).cancelled == 1
+    with pytest.raises(grpc.RpcError):
+        list(call)
+    wait_for_unfinished(replica, 0)
+
+
+def test_metrics_are_one_scrape_of_both_frontends(replica: TestStack) -> None:
+    targets = frontend_targets(replica)
+    calls = [long_stream(target, f"frontends-{uuid.uuid4().hex}") for target in targets]
+    try:
+        wait_for_unfinished(replica, FRONTENDS)  # one in each, summed
+        found = scrape(replica.metrics_url)
+        assert found[("llmcompletions_capacity", (("limit", "max_num_queued_reqs"),))] == BOUND
+        assert any(name.startswith("vllm:") for name, _ in found)
+    finally:
+        for call in calls:
+            call.cancel()
+    wait_for_unfinished(replica, 0)
+
+
+def replica_processes(replica: TestStack) -> list[psutil.Process]:
+    parent = psutil.Process(replica.processes[0].pid)
+    return [parent, *parent.children(recursive=True)]
+
+
+def left_running(processes: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+def test_sigterm_drains_the_streams_of_both_frontends_and_leaves_nothing(
+    replica: TestStack,
+) -> None:
+    """Last in the module: it stops the shared replica."""
+    targets = frontend_targets(replica)
+    calls = [
+        long_stream(target, f"frontends-{uuid.uuid4().hex}", max_tokens=40) for target in targets
+    ]
+    processes = replica_processes(replica)
+    replica.processes[0].send_signal(signal.SIGTERM)
+    for call in calls:
+        rest = list(call)
+        assert rest[-1].choices[0].finish_reason == "length", "the stream in flight must finish"
+    assert replica.processes[0].wait(timeout=60) == 0
+    assert left_running(processes, GONE_SECONDS) == []
+
+
+@pytest.mark.parametrize("victim", ["Frontend_1", "EngineCore"])
+def test_a_dead_frontend_or_engine_core_takes_the_replica_down_cleanly(
+    tmp_path: Path, victim: str
+) -> None:
+    replica = start_replica(tmp_path / "service.log", with_envoy=False)
+    try:
+        processes = replica_processes(replica)
+        (killed,) = [p for p in processes if victim in " ".join(p.cmdline())]
+        killed.kill()
+        assert replica.processes[0].wait(timeout=60) == 1
+        assert left_running(processes, GONE_SECONDS) == []
+        log = (tmp_path / "service.log").read_text()
+        assert "exited: stopping the replica for a restart" in log
+    finally:
+        replica.stop()
