@@ -110,9 +110,12 @@ class Stack:
         return [sys.executable, "-m", self.service_module, "serve", "--port", str(self.grpc_port)]
 
     def envoy_command(self) -> list[str]:
-        upstreams = [arg for target in self.upstream_targets for arg in ("--upstream", target)]
+        targets = self.upstream_targets
+        upstreams = [arg for target in targets for arg in ("--upstream", target)]
+        # One replica's frontends share its engine and its cache: spread streams by load.
+        balance = ["--balance", "least-request"] if len(targets) > 1 else []
         return [
-            *(sys.executable, "-m", "facade.launch", *upstreams),
+            *(sys.executable, "-m", "facade.launch", *upstreams, *balance),
             *("--http-port", str(self.http_port), "--admin-port", str(self.admin_port)),
             *self.tracing_args(),
         ]

@@ -6,8 +6,8 @@ One session alone kept the 2-core host 40-80 % busy (it waits on streams, drains
 and timeouts as much as it computes); two side by side keep it busy and finish in about half
 the time of one session. The shards split the
 modules so that no engine is started by two of them: "stack" runs every module of the default
-stack, vLLM's servers, the adapter stack and the small engine; "fleet" the traced fleet's
-modules and those that start, stop or kill engines of their own. conftest.py refuses a shared
+stack, vLLM's servers, the adapter stack, the small engine and the TLS stack; "fleet" the
+traced fleet's modules and the others that start, stop or kill engines of their own. conftest.py refuses a shared
 engine to a shard that does not own it (TEST_SHARD names the shard a session runs).
 """
 
@@ -39,7 +39,6 @@ FLEET_MODULES = (
     "test_prefix_routing.py",
     "test_profile_summary.py",
     "test_proto_lint.py",
-    "test_tls.py",
     "test_tracing.py",
 )
 # The shared engines (tests/engines.py) each shard may start.

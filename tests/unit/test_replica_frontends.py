@@ -186,3 +186,4 @@ def test_envoy_balances_over_each_frontends_port(monkeypatch: pytest.MonkeyPatch
         "127.0.0.1:50052",
         "127.0.0.1:50053",
     ]
+    assert command[command.index("--balance") + 1] == "least-request"  # one cache: by load
