@@ -5,6 +5,7 @@
 # make bench   the serving benchmark against vLLM's OpenAI server (docs/benchmarks.md), then:
 # make bench-frontend  `make serve` against `vllm serve` as users run them: serving CPU per token
 # make bench-frontend-same-flags  the same through the test harness, same engine flags both sides
+# make bench-frontends  one and two frontend processes against `vllm serve --api-server-count`
 # make profile CPU per generated token of each server and serving-path option, then bench-frontend
 # make bench-routing  two replicas behind Envoy: prefix affinity against least request
 # make bench-routing-keys  the same fleet: how long the routing key should be
@@ -27,7 +28,7 @@ UNIT_TESTS := tests/unit --confcutdir=tests/unit
 # imports vLLM and torch, about half of its time.
 UNIT_PARALLEL := -n auto --dist loadfile
 
-.PHONY: install serve test unit proto lint bench profile bench-frontend bench-frontend-same-flags bench-routing bench-routing-keys bench-routing-fronts bench-burst image docs docs-serve constraints-gpu
+.PHONY: install serve test unit proto lint bench profile bench-frontend bench-frontends bench-frontend-same-flags bench-routing bench-routing-keys bench-routing-fronts bench-burst image docs docs-serve constraints-gpu
 
 install: $(STAMP)
 
@@ -93,6 +94,17 @@ profile: install
 # --rounds N, --variants 'all' for the A/B of the path's factors and stream_interval).
 bench-frontend: install
 	$(BIN)/python -m bench.user_path $(FRONTEND_ARGS)
+
+# One replica with 1 and 2 frontend processes (API_SERVER_COUNT), each against `vllm serve
+# --api-server-count` with the same N, at concurrency 64 and 256: ratios in each round, each
+# frontend's share of the calls, gRPC messages per token (FRONTENDS_ARGS=--rounds N; 2 rounds:
+# about 40 minutes).
+FRONTENDS_ARGS ?= --rounds 2
+bench-frontends: install
+	for workload in fh-c64 fh-c256; do \
+		$(BIN)/python -m bench.user_path --variants "make serve;API_SERVER_COUNT=2" \
+			--workload $$workload --name frontends-$$workload $(FRONTENDS_ARGS) || exit 1; \
+	done
 
 # The same comparison through the test harness with the same engine flags on both sides
 # (about 12 minutes).

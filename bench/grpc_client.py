@@ -4,8 +4,9 @@ prompts, streaming, a concurrency cap, and the same metric definitions."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,13 +59,25 @@ async def receive(
 
 
 async def run_load(
-    target: str, model: str, prompts: list[str], output_len: int, concurrency: int
+    target: str | Sequence[str],
+    model: str,
+    prompts: list[str],
+    output_len: int,
+    concurrency: int,
 ) -> dict[str, Any]:
+    """The prompts streamed, `concurrency` at a time; over several targets (a replica's
+    frontends), one channel each, the requests dealt out in turn."""
     gate = asyncio.Semaphore(concurrency)
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = completions_pb2_grpc.CompletionServiceStub(channel)
+    targets = [target] if isinstance(target, str) else list(target)
+    async with contextlib.AsyncExitStack() as channels:
+        stubs = [
+            completions_pb2_grpc.CompletionServiceStub(
+                await channels.enter_async_context(grpc.aio.insecure_channel(address))
+            )
+            for address in targets
+        ]
 
-        async def bounded(prompt: str) -> RequestTiming:
+        async def bounded(index: int, prompt: str) -> RequestTiming:
             request = json_format.ParseDict(
                 {
                     "model": model,
@@ -77,10 +90,10 @@ async def run_load(
                 CreateCompletionRequest(),
             )
             async with gate:
-                return await one_request(stub, request)
+                return await one_request(stubs[index % len(stubs)], request)
 
         started = time.perf_counter()
-        timings = await asyncio.gather(*(bounded(prompt) for prompt in prompts))
+        timings = await asyncio.gather(*(bounded(i, prompt) for i, prompt in enumerate(prompts)))
         duration = time.perf_counter() - started
     return summarize(timings, duration)
 

@@ -204,6 +204,17 @@ def cpu_wait_seconds(pid: int) -> float:
     return waited / 1e9
 
 
+def split_frontends(server: int, title: str) -> tuple[list[int], list[int]]:
+    """The server's frontend processes (the server itself, and those of its descendants whose
+    process title holds `title`: with several API servers) and the engine's (the rest)."""
+    frontends, engine = [server], []
+    for pid in descendants(server):
+        with contextlib.suppress(psutil.Error):
+            is_frontend = title in " ".join(psutil.Process(pid).cmdline())
+            (frontends if is_frontend else engine).append(pid)
+    return frontends, engine
+
+
 def descendants(pid: int) -> list[int]:
     try:
         return [child.pid for child in psutil.Process(pid).children(recursive=True)]
@@ -266,8 +277,7 @@ class MakeServe:
             if "facade.stack" in command:
                 roles["supervisor"].append(child.pid)
             elif "-m service serve" in command:
-                roles["frontend"] = [child.pid]
-                roles["engine"] = descendants(child.pid)
+                roles["frontend"], roles["engine"] = split_frontends(child.pid, "::Frontend_")
             elif child.name() == "envoy":
                 roles["envoy"] = [child.pid]
         return roles
@@ -325,7 +335,8 @@ class VllmServe:
         wait_for(self.process, f"{self.base_url}/health", "vllm serve")
 
     def processes(self) -> dict[str, list[int]]:
-        return {"frontend": [self.process.pid], "engine": descendants(self.process.pid)}
+        frontend, engine = split_frontends(self.process.pid, "::APIServer")
+        return {"frontend": frontend, "engine": engine}
 
     def stop(self) -> None:
         self.process.terminate()

@@ -39,7 +39,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.frontend_heavy import FRONTEND_HEAVY, spread
 from bench.frontend_heavy import ratio_cell as cell
@@ -55,6 +57,7 @@ from bench.servers import (
 )
 from bench.tiny_model import prepare_tiny_model, tiny_settings
 from bench.workloads import FULL, Workload
+from plumbing.ports import frontend_ports
 from plumbing.tracing import ENDPOINT_ENV
 from service.model.default_model import prepare_default_model
 from service.model.placement import (
@@ -69,7 +72,7 @@ from tests.otlp import OtlpReceiver
 # Concurrency 64, 256 prompts, 32 in / 128 out, streaming: where the serving path's cost shows.
 WORKLOAD = FRONTEND_HEAVY[0]
 # --model default: the embedded model, with `make bench`'s workloads (--workload c1, c8, ...).
-WORKLOADS = {workload.name: workload for workload in (WORKLOAD, *FULL)}
+WORKLOADS = {workload.name: workload for workload in (*FRONTEND_HEAVY, *FULL)}
 WARMUP = Workload("warmup", concurrency=4, num_prompts=8, input_len=16, output_len=8)
 SERVING_ROLES = ("frontend", "envoy", "supervisor")
 
@@ -134,6 +137,10 @@ VARIANTS: dict[str, Variant] = {
     "vllm serve's engine core placed as ours": Variant(peer_core_placed=True),
     "engine core unplaced": Variant(core_unplaced=True),
     "tracing on": Variant(tracing=True),
+    # Frontend processes over one engine: ours and vLLM's with the same N.
+    "API_SERVER_COUNT=2": Variant(
+        env={"API_SERVER_COUNT": "2"}, vllm_args=("--api-server-count", "2")
+    ),
     # stream_interval: ours and vLLM's with the same N.
     "stream_interval 4": stream_interval(4),
     "stream_interval 16": stream_interval(16),
@@ -315,15 +322,48 @@ def measure_ours(target: Target, variant: Variant, log_path: Path) -> dict[str, 
         if variant.core_unplaced:
             unplace_engine_core(roles)
         prompts = same_prompts(model_dir, workload)
+        # With several frontends, a channel to each (a caller's one channel stays on one).
+        targets = frontend_targets(server, variant)
         grpc_load = lambda: asyncio.run(  # noqa: E731
-            run_load(server.grpc_target, MODEL, prompts, workload.output_len, workload.concurrency)
+            run_load(targets, MODEL, prompts, workload.output_len, workload.concurrency)
         )
-        return {
-            "rest": measured(roles, cores, rest_load(server.base_url, "/v2/completions", target)),
-            "grpc": measured(roles, cores, grpc_load),
-        }
+        served = [calls_by_frontend(server.metrics_url)]
+        rest = measured(roles, cores, rest_load(server.base_url, "/v2/completions", target))
+        served.append(calls_by_frontend(server.metrics_url))
+        grpc_run = measured(roles, cores, grpc_load)
+        served.append(calls_by_frontend(server.metrics_url))
+        rest["frontend_shares"] = shares(served[0], served[1])
+        grpc_run["frontend_shares"] = shares(served[1], served[2])
+        return {"rest": rest, "grpc": grpc_run}
     finally:
         server.stop()
+
+
+def frontend_targets(server: MakeServe | OurStack, variant: Variant) -> list[str]:
+    count = int(variant.env.get("API_SERVER_COUNT", "1"))
+    if count == 1:
+        return [server.grpc_target]
+    port = int(server.grpc_target.rsplit(":", 1)[1])
+    return [f"127.0.0.1:{own}" for own in frontend_ports(port, count)]
+
+
+def calls_by_frontend(metrics_url: str) -> dict[str, float]:
+    """Calls completed so far, by the frontend that served them (the replica's one scrape)."""
+    counts: dict[str, float] = {}
+    text = httpx.get(metrics_url, timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "llmcompletions_requests_total" and sample.labels["code"] == "OK":
+                frontend = sample.labels.get("frontend", "0")
+                counts[frontend] = counts.get(frontend, 0.0) + sample.value
+    return counts
+
+
+def shares(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Each frontend's share of the calls completed between two scrapes."""
+    grew = {name: after[name] - before.get(name, 0.0) for name in sorted(after)}
+    total = sum(grew.values()) or 1.0
+    return {name: round(value / total, 3) for name, value in grew.items()}
 
 
 def peer_key(variant: Variant) -> str:
@@ -378,6 +418,11 @@ def summarize(rounds: Sequence[dict[str, Any]], names: Sequence[str]) -> dict[st
             "peer_cpu_ms_per_token": median_roles(
                 [r[peer_key(VARIANTS[name])]["rest"] for r in rounds]
             ),
+            "frontend_shares": {
+                path: [r[name][path].get("frontend_shares") for r in rounds]
+                for path in ("rest", "grpc")
+            },
+            "grpc_messages_per_token": [r[name]["grpc"].get("messages_per_token") for r in rounds],
         }
     return summary
 
@@ -428,7 +473,24 @@ def markdown(summary: dict[str, Any], rounds: int, target: Target) -> str:
                 f"| {cpu['engine'] * cpu['output_throughput'] / 1000:.2f} "
                 f"| {cpu.get('client', 0.0):.3f} |"
             )
+    lines += ["", *shares_table(summary)]
     return "\n".join(lines) + "\n"
+
+
+def shares_table(summary: dict[str, Any]) -> list[str]:
+    """Each frontend's share of the calls, per variant and path (the medians' run)."""
+    lines = [
+        "Calls served by each frontend (its share of the run's calls, each round), and gRPC "
+        "messages per output token (each round):",
+        "",
+        "| variant | path | shares | gRPC messages per token |",
+        "|---|---|---|---|",
+    ]
+    for name, found in summary.items():
+        messages = ", ".join(f"{m:.3f}" for m in found["grpc_messages_per_token"] if m)
+        for path, figures in found.get("frontend_shares", {}).items():
+            lines.append(f"| {name} | {path} | {figures} | {messages if path == 'grpc' else ''} |")
+    return lines
 
 
 def waits_table(rounds: Sequence[dict[str, Any]]) -> str:

@@ -83,7 +83,7 @@ def tracing_settings(endpoint: str | None, default_service_name: str) -> Tracing
     return TracingSettings(endpoint, protocol, name)
 
 
-def start_tracing(settings: TracingSettings) -> None:
+def start_tracing(settings: TracingSettings, attributes: dict[str, str] | None = None) -> None:
     """Installs the process's tracer provider, exporting in the background in batches.
 
     Set before anything else sets one (vLLM sets its own when its engine starts, unless one is
@@ -98,7 +98,9 @@ def start_tracing(settings: TracingSettings) -> None:
     os.environ[SERVICE_NAME_ENV] = settings.service_name
     os.environ[ENDPOINT_ENV] = settings.endpoint
     os.environ[PROTOCOL_ENV] = settings.protocol
-    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: settings.service_name}))
+    # `attributes`: more of the process's resource, on every span (e.g. which frontend it is).
+    resource = Resource.create({SERVICE_NAME: settings.service_name, **(attributes or {})})
+    provider = TracerProvider(resource=resource)
     provider.add_span_processor(BatchSpanProcessor(span_exporter(settings)))
     trace.set_tracer_provider(provider)
     logger.info(

@@ -137,6 +137,7 @@ def run_replica(server: ServerSettings, engine: EngineSettings, log_setup: tuple
         ",".join(map(str, server.own_ports())),
     )
     core: EngineCore | None = None
+    stopped_while_starting = failed = False
     try:
         core = launch_engine_core(engine, server.api_server_count, frontends.start)
         stopping.serving = True
@@ -145,7 +146,7 @@ def run_replica(server: ServerSettings, engine: EngineSettings, log_setup: tuple
         failed = watch(frontends.processes, core, stopping)
     except SystemExit:
         logger.info("stopped while starting")
-        failed = False
+        stopped_while_starting = True
     except Exception:
         logger.exception("the engine core failed to start; check --model and the engine arguments")
         failed = True
@@ -155,7 +156,7 @@ def run_replica(server: ServerSettings, engine: EngineSettings, log_setup: tuple
         core.shutdown(timeout=server.engine_stop_seconds)
     metrics_dir.cleanup()
     logger.info("stopped")
-    return 1 if failed or not drained else 0
+    return 0 if stopped_while_starting or (drained and not failed) else 1
 
 
 def drain_seconds(server: ServerSettings) -> float:

@@ -58,6 +58,8 @@ QUIET_SECONDS = 0.1
 # Calls cancelled when the grace period runs out get this long to end (and abort their
 # engine requests) before the engine stops.
 CANCEL_WAIT_SECONDS = 2.0
+# On every span of a frontend of several (a resource attribute): which one served.
+FRONTEND_ATTRIBUTE = "llm_completions.frontend"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -221,8 +223,9 @@ async def serve(
     """Run until SIGINT or SIGTERM; return the process exit code. With a `role`, as one of
     several frontends over an engine core that the parent process runs (and whose metrics it
     serves)."""
-    if server_settings.tracing is not None:
-        start_tracing(server_settings.tracing)  # before the engine's: vLLM's spans go with ours
+    if server_settings.tracing is not None:  # before the engine's: vLLM's spans go with ours
+        frontend = {} if role is None else {FRONTEND_ATTRIBUTE: str(role.link.index)}
+        start_tracing(server_settings.tracing, frontend)
     state = ServiceState()
     calls = CallTracker(WORKING_METHODS)
     server, health_servicer = build_server(server_settings, state, calls, role)
