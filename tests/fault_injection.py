@@ -19,6 +19,7 @@ from vllm.v1.engine.exceptions import EngineGenerateError
 
 from service import cli
 from service.model.engine import ServedModel, start_engine
+from service.model.frontends import FrontendLink
 from service.settings import EngineSettings
 from service.transport import server
 
@@ -51,8 +52,8 @@ class FaultInjectingEngine:
             yield output
 
 
-def start_faulty_engine(settings: EngineSettings) -> ServedModel:
-    model = start_engine(settings)
+def start_faulty_engine(settings: EngineSettings, link: FrontendLink | None = None) -> ServedModel:
+    model = start_engine(settings, link)
     return dataclasses.replace(model, engine=FaultInjectingEngine(model.engine))
 
 

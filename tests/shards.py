@@ -4,11 +4,11 @@ line by line under the shard's name, and exits non-zero if any shard failed.
 
 One session alone kept the 2-core host 40-80 % busy (it waits on streams, drains, keepalives
 and timeouts as much as it computes); two side by side keep it busy and finish in about half
-the time of one session. The shards split the
-modules so that no engine is started by two of them: "stack" runs every module of the default
-stack, vLLM's servers, the adapter stack, the small engine and the TLS stack; "fleet" the
-traced fleet's modules and the others that start, stop or kill engines of their own. conftest.py refuses a shared
-engine to a shard that does not own it (TEST_SHARD names the shard a session runs).
+the time of one session. The shards split the modules so that no engine is started by two of
+them: "stack" runs every module of the default stack, vLLM's servers, the adapter stack, the
+small engine and the TLS stack; "fleet" the traced fleet's modules and the others that start,
+stop or kill engines of their own. conftest.py refuses a shared engine to a shard that does
+not own it (TEST_SHARD names the shard a session runs).
 """
 
 from __future__ import annotations
