@@ -17,6 +17,7 @@ import grpc
 import httpx
 import psutil
 import pytest
+from llmcompletions.client import CompletionClient
 from llmcompletions.v2 import completions_pb2_grpc
 from llmcompletions.v2.completions_pb2 import CancelCompletionRequest
 
@@ -108,6 +109,19 @@ def test_envoy_spreads_streams_over_both_frontends(replica: TestStack) -> None:
     grew = {frontend: after[frontend] - before[frontend] for frontend in after}
     assert sum(grew.values()) == 24, grew  # one scrape counts every frontend's calls
     assert all(count >= 4 for count in grew.values()), f"streams per frontend: {grew}"
+
+
+def test_the_typed_client_given_every_frontend_spreads_its_calls(replica: TestStack) -> None:
+    """One client, one channel: with the frontends' addresses it sends its calls in turn."""
+    addresses = ",".join(frontend_targets(replica))
+    before = served_by_frontend(replica)
+    with CompletionClient(f"ipv4:{addresses}", api_key=API_KEY) as client:
+        replies = [client.complete(prompt="Hi", max_tokens=2) for _ in range(8)]
+    assert all(reply.choices[0].finish_reason for reply in replies)
+    after = served_by_frontend(replica)
+    grew = {frontend: after[frontend] - before[frontend] for frontend in after}
+    # In turn once both connections are up (the first calls may find only one ready).
+    assert sum(grew.values()) == 8 and min(grew.values()) >= 2, grew
 
 
 def long_stream(target: str, request_id: str, auth: Any = GRPC_AUTH, **fields: Any) -> Any:

@@ -66,6 +66,10 @@ CHANNEL_OPTIONS = [
     ("grpc.http2.ping_timeout_ms", 20_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # Calls in turn over every address the target names: a replica's frontends given as
+    # "ipv4:HOST:PORT,HOST:PORT" (or a name that resolves to several) each get their share. One
+    # address works as before; a connection stays on the frontend it reached.
+    ("grpc.lb_policy_name", "round_robin"),
 ]
 
 
