@@ -26,6 +26,7 @@ from tests.conftest import (
     AUTH_HEADERS,
     ENGINE_START_TIMEOUT,
     GRPC_AUTH,
+    MODEL,
     OTHER_API_KEY,
     SMALL_ENGINE,
 )
@@ -116,12 +117,27 @@ def test_the_typed_client_given_every_frontend_spreads_its_calls(replica: TestSt
     addresses = ",".join(frontend_targets(replica))
     before = served_by_frontend(replica)
     with CompletionClient(f"ipv4:{addresses}", api_key=API_KEY) as client:
-        replies = [client.complete(prompt="Hi", max_tokens=2) for _ in range(8)]
+        replies = [client.complete(model=MODEL, prompt="Hi", max_tokens=2) for _ in range(8)]
     assert all(reply.choices[0].finish_reason for reply in replies)
     after = served_by_frontend(replica)
     grew = {frontend: after[frontend] - before[frontend] for frontend in after}
     # In turn once both connections are up (the first calls may find only one ready).
     assert sum(grew.values()) == 8 and min(grew.values()) >= 2, grew
+
+
+def test_the_engine_cores_way_to_each_frontend_stays_open_while_it_serves(
+    replica: TestStack,
+) -> None:
+    """Each frontend's queues from the engine core are unix sockets the parent bound: their
+    paths must stay while the replica serves (once they were unlinked as the launch ended, and
+    a frontend whose queue the core had not reached yet never got its calls' tokens)."""
+    frontends = [p for p in replica_processes(replica) if "Frontend_" in " ".join(p.cmdline())]
+    assert len(frontends) == FRONTENDS
+    for frontend in frontends:
+        paths = [c.laddr for c in frontend.net_connections(kind="unix") if c.laddr]
+        queues = [path for path in paths if not path.endswith(".sock")]  # not the siblings'
+        assert queues, f"{frontend.cmdline()} listens on no engine queue"
+        assert all(Path(path).exists() for path in queues), queues
 
 
 def long_stream(target: str, request_id: str, auth: Any = GRPC_AUTH, **fields: Any) -> Any:

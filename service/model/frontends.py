@@ -54,12 +54,17 @@ class EngineCore:
 
     manager: Any  # vLLM's CoreEngineProcManager
     scratch: tempfile.TemporaryDirectory[str]
+    # The frontends' queues, bound here. Held until the core stops: when vLLM's listeners are
+    # collected they unlink their IPC paths, and an engine core still connecting to a frontend
+    # then never reaches it (that frontend's calls hung).
+    listeners: Any
 
     def processes(self) -> list[BaseProcess]:
         return list(getattr(self.manager, "processes", []))
 
     def shutdown(self, timeout: float) -> None:
         self.manager.shutdown(timeout=timeout)
+        self.listeners.cleanup()
         self.scratch.cleanup()
 
 
@@ -108,4 +113,4 @@ def launch_engine_core(
             listener.close()  # the frontends hold them now
         launch.watched_frontend_processes = frontends
     logger.info("engine core ready for %d frontends", count)
-    return EngineCore(launch.engine_manager, scratch)
+    return EngineCore(launch.engine_manager, scratch, listeners)
