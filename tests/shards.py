@@ -39,6 +39,7 @@ FLEET_MODULES = (
     "test_prefix_routing.py",
     "test_profile_summary.py",
     "test_proto_lint.py",
+    "test_tls.py",
     "test_tracing.py",
 )
 # The shared engines (tests/engines.py) each shard may start.
