@@ -134,7 +134,10 @@ def main() -> None:
     )
     if affinity is not None and affinity.picker and args.picker is None:
         start_picker(
-            str(picker_socket), f"http://127.0.0.1:{args.admin_port}", affinity.balance_factor
+            str(picker_socket),
+            f"http://127.0.0.1:{args.admin_port}",
+            affinity.balance_factor,
+            fleet.frontends.port_sets,
         )
     os.execv(command[0], command)
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from facade.addresses import parse_address
+from facade.addresses import FrontendGroups, frontend_port_sets, parse_address, parse_replica
 from facade.balancing import BALANCE_POLICIES, PrefixAffinity
 from facade.pools import Pool, parse_pool
 from facade.render import (
@@ -33,28 +33,39 @@ balance_factor = at_least(100)
 class Fleet:
     """The replicas behind Envoy: one pool of `upstreams`, or several `pools` routed by model."""
 
-    upstreams: list[tuple[str, int]]
+    upstreams: list[tuple[str, int]]  # every frontend of every replica
     pools: list[Pool] = field(default_factory=list)
     listing: str = ""  # every pool's models, for the calls no pool owns
+    frontend_ports: tuple[tuple[int, ...], ...] = ()  # of --upstream replicas with several
+
+    @property
+    def frontends(self) -> FrontendGroups:
+        """Which endpoints are one replica's frontends, in any pool."""
+        pools = (ports for pool in self.pools for ports in pool.frontend_ports)
+        return FrontendGroups((*self.frontend_ports, *pools))
 
     @property
     def groups(self) -> list[list[tuple[str, int]]]:
-        return [list(pool.addresses) for pool in self.pools] or [self.upstreams]
+        """Each pool's replicas, a replica with several frontends once (as its first)."""
+        frontends = self.frontends
+        return [
+            [(host, port) for host, port in group if frontends.names_a_replica(port)]
+            for group in [list(pool.addresses) for pool in self.pools] or [self.upstreams]
+        ]
 
 
 def fleet_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Fleet:
     """The replicas named on the command line, or by POOLS and GRPC_PORT."""
     try:
-        pools = args.pool or [
-            parse_pool(text, parse_address) for text in os.environ.get("POOLS", "").split()
-        ]
+        pools = args.pool or [parse_pool(text) for text in os.environ.get("POOLS", "").split()]
         grpc_port = os.environ.get("GRPC_PORT") or DEFAULT_GRPC_PORT
-        upstreams = args.upstream or [parse_address(f"127.0.0.1:{grpc_port}")]
+        replicas = args.upstream or [parse_replica(f"127.0.0.1:{grpc_port}")]
     except argparse.ArgumentTypeError as error:
         parser.error(f"POOLS or GRPC_PORT: {error}")
     if pools and args.upstream:
         parser.error("give either --upstream (one pool) or --pool (several), not both")
-    return Fleet(upstreams, pools)
+    upstreams = [address for replica in replicas for address in replica]
+    return Fleet(upstreams, pools, frontend_ports=frontend_port_sets(replicas))
 
 
 def upstream_tls_from(
@@ -121,17 +132,20 @@ def add_replica_options(parser: argparse.ArgumentParser) -> None:
 def add_replica_address_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--upstream",
-        type=parse_address,
+        type=parse_replica,
         action="append",
-        help="gRPC service HOST:PORT; repeat for several replicas (default 127.0.0.1:$GRPC_PORT)",
+        help="a replica's gRPC HOST:PORT, or HOST:PORT+PORT... for its frontend processes' own "
+        "ports when it runs several (API_SERVER_COUNT): Envoy spreads calls over them and the "
+        "picker counts them as one replica; repeat for several replicas (default "
+        "127.0.0.1:$GRPC_PORT)",
     )
     parser.add_argument(
         "--pool",
-        type=lambda text: parse_pool(text, parse_address),
+        type=parse_pool,
         action="append",
-        help="NAME=HOST:PORT[,HOST:PORT...]: replicas serving the base model NAME (its served "
-        "name) and its adapters; repeat for each base model, and each call goes to the pool "
-        "serving its `model` (env POOLS, space-separated)",
+        help="NAME=REPLICA[,REPLICA...], each as --upstream gives one: replicas serving the "
+        "base model NAME (its served name) and its adapters; repeat for each base model, and "
+        "each call goes to the pool serving its `model` (env POOLS, space-separated)",
     )
 
 

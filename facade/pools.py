@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ import grpc
 from llmcompletions.v2 import completions_pb2_grpc
 from llmcompletions.v2.completions_pb2 import ListModelsRequest, ListModelsResponse
 
+from facade.addresses import frontend_port_sets, parse_replica
 from facade.tls import UpstreamTls, grpc_channel
 
 # Envoy passes the endpoint's listing in plumbing.headers.ENDPOINT_MODELS_HEADER, base64.
@@ -31,20 +33,26 @@ class Pool:
     """Replicas serving one base model (its served name) and that model's adapters."""
 
     name: str
-    addresses: tuple[tuple[str, int], ...]
+    addresses: tuple[tuple[str, int], ...]  # every frontend of every replica
     models: tuple[str, ...] = ()  # every served name, learned from the pool
+    frontend_ports: tuple[tuple[int, ...], ...] = ()  # replicas with several frontends
 
     @property
     def cluster(self) -> str:
         return f"pool_{self.name}"
 
 
-def parse_pool(text: str, parse_address: Callable[[str], tuple[str, int]]) -> Pool:
-    """NAME=HOST:PORT[,HOST:PORT...]"""
+def parse_pool(text: str) -> Pool:
+    """NAME=REPLICA[,REPLICA...], each HOST:PORT or HOST:PORT+PORT... (several frontends)"""
     name, separator, addresses = text.partition("=")
     if not separator or not name or not addresses:
         raise argparse.ArgumentTypeError(f"expected NAME=HOST:PORT[,HOST:PORT...], got {text!r}")
-    return Pool(name, tuple(parse_address(address) for address in addresses.split(",")))
+    replicas = [parse_replica(replica) for replica in addresses.split(",")]
+    return Pool(
+        name,
+        tuple(address for replica in replicas for address in replica),
+        frontend_ports=frontend_port_sets(replicas),
+    )
 
 
 def list_models(
@@ -96,7 +104,7 @@ def checked(pool: Pool, listing: ListModelsResponse) -> Pool:
             f"pool {pool.name!r} serves base model(s) {bases}: name each pool after the "
             "served name of its base model (--served-model-name)"
         )
-    return Pool(pool.name, pool.addresses, tuple(model.id for model in listing.data))
+    return dataclasses.replace(pool, models=tuple(model.id for model in listing.data))
 
 
 def discover(

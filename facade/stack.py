@@ -77,6 +77,13 @@ class Stack:
         return [f"127.0.0.1:{port}" for port in frontend_ports(self.grpc_port, count, ports)]
 
     @property
+    def upstream_replica(self) -> str:
+        """The replica as Envoy's launcher takes it: 127.0.0.1:PORT, or its frontends' ports
+        as 127.0.0.1:PORT+PORT... (one replica: Envoy spreads streams over them by load)."""
+        ports = [target.rpartition(":")[2] for target in self.upstream_targets]
+        return f"127.0.0.1:{'+'.join(ports)}"
+
+    @property
     def environment(self) -> dict[str, str]:
         return {**os.environ, **(self.env or {})}
 
@@ -110,12 +117,8 @@ class Stack:
         return [sys.executable, "-m", self.service_module, "serve", "--port", str(self.grpc_port)]
 
     def envoy_command(self) -> list[str]:
-        targets = self.upstream_targets
-        upstreams = [arg for target in targets for arg in ("--upstream", target)]
-        # One replica's frontends share its engine and its cache: spread streams by load.
-        balance = ["--balance", "least-request"] if len(targets) > 1 else []
         return [
-            *(sys.executable, "-m", "facade.launch", *upstreams, *balance),
+            *(sys.executable, "-m", "facade.launch", "--upstream", self.upstream_replica),
             *("--http-port", str(self.http_port), "--admin-port", str(self.admin_port)),
             *self.tracing_args(),
         ]

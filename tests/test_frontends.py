@@ -5,7 +5,10 @@ leaves nothing, and a dead frontend or engine core takes the replica down cleanl
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -32,7 +35,7 @@ from tests.conftest import (
 )
 from tests.helpers import body, grpc_request
 from tests.metrics import sample, scrape
-from tests.processes import TestStack, free_port
+from tests.processes import TestStack, free_port, healthy_upstreams, stop_helpers
 
 FRONTENDS = 2
 BOUND = 6  # --max-num-queued-reqs: sequences waiting or running in the whole replica
@@ -233,6 +236,68 @@ def left_running(processes: list[psutil.Process], timeout: float) -> list[psutil
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.2)
+
+
+DOCUMENTS = {
+    name: f"Notes on {name}. " + " ".join(f"Item {i} of {name} is {i * 7}." for i in range(30))
+    for name in ("apples", "rivers")
+}
+
+
+@contextlib.contextmanager
+def prefix_envoy(replicas: list[TestStack]) -> Iterator[str]:
+    """Envoy with the picker (prefix balancing, its default for several replicas) in front of
+    two-frontend replicas, each given as 127.0.0.1:PORT+PORT; its base URL once it sees every
+    frontend healthy."""
+    http_port, admin_port = free_port(), free_port()
+    command = [sys.executable, "-m", "facade.launch", "--debug-headers"]
+    command += ["--http-port", str(http_port), "--admin-port", str(admin_port)]
+    for replica in replicas:
+        command += ["--upstream", replica.upstream_replica]
+    envoy = subprocess.Popen(command)
+    try:
+        admin = f"http://127.0.0.1:{admin_port}"
+        frontends = {target for replica in replicas for target in replica.upstream_targets}
+        deadline = time.monotonic() + 60
+        while healthy_upstreams(admin, "completion_service_prefix") != frontends:
+            assert time.monotonic() < deadline, "Envoy never saw every frontend healthy"
+            time.sleep(0.5)
+        time.sleep(1)  # the picker reads Envoy's view every 250 ms
+        yield f"http://127.0.0.1:{http_port}"
+    finally:
+        stop_helpers([envoy])
+
+
+def served_by(base_url: str, document: str, questions: int) -> list[str]:
+    """The frontend (x-upstream-host) that served each of `questions` calls on one document,
+    sent at once (each a few seconds long, so that they overlap)."""
+
+    def ask(number: int) -> str:
+        prompt = f"{DOCUMENTS[document]}\nQuestion {number}: what is item {number}?"
+        request = body(prompt=prompt, max_tokens=24, ignore_eos=True)
+        with httpx.Client(base_url=base_url, headers=AUTH_HEADERS, timeout=120) as rest:
+            reply = rest.post("/v2/completions", json=request)
+        assert reply.status_code == 200, reply.text
+        return reply.headers["x-upstream-host"]
+
+    with ThreadPoolExecutor(questions) as pool:
+        return list(pool.map(ask, range(questions)))
+
+
+def test_the_picker_keeps_a_document_on_one_replica_and_spreads_it_over_its_frontends(
+    replica: TestStack, doomed: dict[str, TestStack]
+) -> None:
+    """Two replicas of two frontends each: a document's calls stay on one replica (one
+    engine, one cache) and share its frontends; the next document goes to the other."""
+    pair = [replica, doomed["EngineCore"]]
+    frontends_of = {target: index for index, r in enumerate(pair) for target in r.upstream_targets}
+    with prefix_envoy(pair) as base_url:
+        first = served_by(base_url, "apples", 4)
+        second = served_by(base_url, "rivers", 4)
+    home = {frontends_of[host] for host in first}
+    assert len(home) == 1, f"one document's calls went to both replicas: {first}"
+    assert len(set(first)) == FRONTENDS, f"the replica's frontends did not share them: {first}"
+    assert {frontends_of[host] for host in second} == {0, 1} - home, second
 
 
 def test_sigterm_drains_the_streams_of_both_frontends_and_leaves_nothing(

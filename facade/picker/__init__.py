@@ -25,10 +25,19 @@ from plumbing.lifetime import signal_on_parent_death
 CLUSTER_METADATA = "x-picker-cluster"
 
 
-def start_picker(socket_path: str, admin_url: str, balance_factor: int) -> None:
+def start_picker(
+    socket_path: str,
+    admin_url: str,
+    balance_factor: int,
+    frontend_ports: tuple[tuple[int, ...], ...] = (),
+) -> None:
     """Starts the picker, under its supervisor (which restarts it if it exits), beside the
     process about to become Envoy (facade.launch execs it): the supervisor is that process's
-    child, and stops the picker when it exits."""
+    child, and stops the picker when it exits. `frontend_ports`: the ports of each replica
+    that runs several frontends."""
+    replicas = [
+        arg for ports in frontend_ports for arg in ("--frontend-ports", "+".join(map(str, ports)))
+    ]
     subprocess.Popen(
         [
             sys.executable,
@@ -37,6 +46,7 @@ def start_picker(socket_path: str, admin_url: str, balance_factor: int) -> None:
             *("--socket", socket_path),
             *("--admin-url", admin_url),
             *("--balance-factor", str(balance_factor)),
+            *replicas,
         ],
         preexec_fn=lambda: signal_on_parent_death(signal.SIGTERM),
     )

@@ -3,7 +3,11 @@
 the picker counts them (from its pick to the end of the request); what each last reported of
 its load (the ORCA report on its replies), which counts the requests others sent it (another
 Envoy, a client on its gRPC port); and which replica holds each request id in flight, for
-cancels."""
+cancels.
+
+Envoy's hosts are endpoints; a replica running several frontend processes is several of them
+over one engine (facade.addresses.FrontendGroups). Load, load reports and health for routing
+are per replica, summed over its frontends; a replica is named by its first frontend."""
 
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from xds.data.orca.v3.orca_load_report_pb2 import OrcaLoadReport
+
+from facade.addresses import FrontendGroups
 
 HEALTHY_FLAGS = "healthy"
 # A replica's report counts this long: one that got no reply through this picker since may
@@ -57,58 +63,88 @@ class FleetView:
     counted, and its key spilled for it."""
 
     clusters: Clusters = field(default_factory=dict)
-    in_flight: Counter[tuple[str, str]] = field(default_factory=Counter)
-    reports: dict[tuple[str, str], Reported] = field(default_factory=dict)
+    in_flight: Counter[tuple[str, str]] = field(default_factory=Counter)  # per endpoint
+    reports: dict[tuple[str, str], Reported] = field(default_factory=dict)  # per replica
     holders: dict[str, str] = field(default_factory=dict)  # request id -> HOST:PORT
     synced: bool = False  # a first reading was taken
     count_reports: bool = True  # off: a replica's load is only what this picker sent it
+    frontends: FrontendGroups = field(default_factory=FrontendGroups)
 
     def update(self, clusters: Clusters) -> set[tuple[str, str]]:
-        """Takes a new reading; returns the (cluster, host) pairs that stopped being healthy."""
-        lost = {
-            (cluster, host)
-            for cluster, hosts in self.clusters.items()
-            for host, replica in hosts.items()
-            if replica.healthy and not clusters.get(cluster, {}).get(host, Replica()).healthy
+        """Takes a new reading; returns the (cluster, replica) pairs that stopped having a
+        healthy endpoint."""
+        before = {
+            (cluster, self.replica_of(host))
+            for cluster in self.clusters
+            for host in self.healthy(cluster)
         }
         self.clusters = clusters
         self.synced = True
-        return lost
-
-    def healthy(self, cluster: str) -> list[str]:
-        return [host for host, replica in self.clusters.get(cluster, {}).items() if replica.healthy]
-
-    def loads(self, cluster: str) -> dict[str, int]:
-        """The cluster's healthy replicas and their requests: those this picker sent, plus
-        those others did as of the replica's last fresh report."""
-        return {
-            host: self.in_flight[(cluster, host)] + self.others(cluster, host)
+        now = {
+            (cluster, self.replica_of(host))
+            for cluster in clusters
             for host in self.healthy(cluster)
         }
+        return before - now
 
-    def others(self, cluster: str, host: str) -> int:
-        reported = self.reports.get((cluster, host))
+    def sole_cluster(self) -> str | None:
+        """The one cluster of replicas this view follows, if it follows one."""
+        return next(iter(self.clusters)) if len(self.clusters) == 1 else None
+
+    def healthy(self, cluster: str) -> list[str]:
+        """The cluster's healthy endpoints."""
+        return [host for host, replica in self.clusters.get(cluster, {}).items() if replica.healthy]
+
+    def replica_of(self, host: str) -> str:
+        return self.frontends.replica_of(host)
+
+    def by_replica(self, hosts: list[str]) -> dict[str, list[str]]:
+        """Endpoints under the replica each is a frontend of."""
+        replicas: dict[str, list[str]] = defaultdict(list)
+        for host in hosts:
+            replicas[self.replica_of(host)].append(host)
+        return dict(replicas)
+
+    def loads(self, cluster: str) -> dict[str, int]:
+        """The replicas with a healthy endpoint, and their requests: those this picker sent
+        (to any of their frontends), plus those others did as of their last fresh report."""
+        return {
+            replica: self.ours(cluster, replica) + self.others(cluster, replica)
+            for replica in self.by_replica(self.healthy(cluster))
+        }
+
+    def ours(self, cluster: str, replica: str) -> int:
+        return sum(
+            count
+            for (known, host), count in self.in_flight.items()
+            if known == cluster and self.replica_of(host) == replica
+        )
+
+    def others(self, cluster: str, replica: str) -> int:
+        reported = self.reports.get((cluster, replica))
         return reported.others if reported is not None and reported.fresh() else 0
 
     def reported(self, cluster: str, host: str, report: OrcaLoadReport) -> None:
-        """A reply of one of this picker's requests ended with `report`: the replica's requests
-        beyond the ones this picker still has in flight there came from others."""
+        """A reply of one of this picker's requests ended with `report` (which counts its whole
+        replica, every frontend): the replica's requests beyond the ones this picker still has
+        in flight there came from others."""
         held = round(
             report.named_metrics["num_requests_running"]
             + report.named_metrics["num_requests_waiting"]
         )
         if not self.count_reports:
             return
-        ours = self.in_flight[(cluster, host)] - 1  # the ending request is done
+        replica = self.replica_of(host)
+        ours = self.ours(cluster, replica) - 1  # the ending request is done
         bound = round(report.named_metrics.get("max_num_queued_reqs", 0)) or None
-        self.reports[(cluster, host)] = Reported(max(0, held - ours), held, bound)
+        self.reports[(cluster, replica)] = Reported(max(0, held - ours), held, bound)
 
     def saturated(self, cluster: str, hosts: list[str]) -> bool:
-        """Whether every one of `hosts` reported, lately, holding its backlog bound (so that it
-        refuses more)."""
+        """Whether the replica of every one of `hosts` reported, lately, holding its backlog
+        bound (so that it refuses more)."""
 
         def full(host: str) -> bool:
-            reported = self.reports.get((cluster, host))
+            reported = self.reports.get((cluster, self.replica_of(host)))
             return (
                 reported is not None
                 and reported.fresh()

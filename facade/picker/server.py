@@ -29,7 +29,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from opentelemetry.trace import SpanKind
 from opentelemetry.util.types import AttributeValue
 
-from facade.addresses import parse_address
+from facade.addresses import FrontendGroups, parse_address, parse_frontend_ports
 from facade.balancing import PATH_HEADER
 from facade.options import (
     add_balance_factor_option,
@@ -156,6 +156,9 @@ class ReplicaPicker(ext_proc_grpc.ExternalProcessorServicer):
     ) -> ext_proc.ProcessingResponse:
         """The answer to a request's headers: where it goes, or why it cannot."""
         headers = request.request_headers.headers.headers
+        # A gateway of the Inference Extension's (an InferencePool's endpoint picker) names no
+        # cluster: a picker following one pool picks among its replicas.
+        exchange.cluster = exchange.cluster or self.fleet.sole_cluster() or ""
         if not exchange.cluster or not self.fleet.synced:
             exchange.note(**{"llm_completions.pick": "none: Envoy balances"})
             return unpicked_response()  # fail open: Envoy balances it itself
@@ -179,30 +182,49 @@ class ReplicaPicker(ext_proc_grpc.ExternalProcessorServicer):
         if self.fleet.saturated(exchange.cluster, eligible):
             exchange.note(**{"llm_completions.pick": "none: every replica at capacity"})
             return shed("Every replica is at capacity; retry shortly.")
-        loads = self.fleet.loads(exchange.cluster)
+        frontends = self.fleet.by_replica(eligible)
+        loads = {
+            replica: load
+            for replica, load in self.fleet.loads(exchange.cluster).items()
+            if replica in frontends
+        }
         value = header_value(headers, PATH_HEADER)
         path = PromptPath.parse(value) if value else None
         if path is None:  # a gateway without our routing filter: by load alone
-            replicas = sorted(eligible, key=lambda host: loads[host])
+            replicas = sorted(loads, key=lambda replica: loads[replica])
         else:
             if exchange.decision is not None:
-                exchange.note(**self.prefix_match(exchange.cluster, path, eligible))
-            replicas = self.policy.choose(exchange.cluster, path, {h: loads[h] for h in eligible})
+                exchange.note(**self.prefix_match(exchange.cluster, path, list(loads)))
+            replicas = self.policy.choose(exchange.cluster, path, loads)
+        endpoints = self.endpoints_in_order(exchange.cluster, replicas, frontends)
         exchange.note(
             **{
                 "llm_completions.pick": "prefix" if path is not None else "load",
-                "llm_completions.replica": replicas[0],
+                "llm_completions.replica": endpoints[0],
                 "llm_completions.replica_load": loads[replicas[0]],
             }
         )
-        self.started(exchange, replicas[0], header_value(headers, REQUEST_ID_HEADER))
-        return destination_response(replicas)
+        self.started(exchange, endpoints[0], header_value(headers, REQUEST_ID_HEADER))
+        return destination_response(endpoints)
+
+    def endpoints_in_order(
+        self, cluster: str, replicas: list[str], frontends: dict[str, list[str]]
+    ) -> list[str]:
+        """The replicas' endpoints in the replicas' order; within a replica (one engine, one
+        cache), its frontend with the fewest of this picker's requests first."""
+        return [
+            endpoint
+            for replica in replicas
+            for endpoint in sorted(
+                frontends[replica], key=lambda host: self.fleet.in_flight[(cluster, host)]
+            )
+        ]
 
     def prefix_match(
-        self, cluster: str, path: PromptPath, eligible: list[str]
+        self, cluster: str, path: PromptPath, replicas: list[str]
     ) -> dict[str, AttributeValue]:
         """How much of the prompt's path a replica was already sent (before this pick)."""
-        level, holders = self.policy.deepest_known(cluster, path, dict.fromkeys(eligible, 0))
+        level, holders = self.policy.deepest_known(cluster, path, dict.fromkeys(replicas, 0))
         return {
             "llm_completions.prefix_known": path.depth(level) if holders else 0,
             "llm_completions.prefix_length": path.covered(),
@@ -328,12 +350,13 @@ async def serve(
     tls: TlsSettings | None = None,
     count_reports: bool = True,
     traced: bool = False,
+    frontends: FrontendGroups | None = None,
 ) -> None:
     """Answers Envoy on `bind` (unix:PATH or HOST:PORT, over `tls` if given) while following
     the replicas' health; counts their load reports in their load unless told not to; with
-    `traced`, each decision is a span."""
+    `traced`, each decision is a span. `frontends` says which endpoints are one replica's."""
     policy = CacheAwarePolicy(balance_factor)
-    fleet = FleetView(count_reports=count_reports)
+    fleet = FleetView(count_reports=count_reports, frontends=frontends or FrontendGroups())
     server = grpc.aio.server(
         options=[
             # A second picker on the port fails instead of taking half the Envoys' calls.
@@ -376,6 +399,7 @@ async def serve_beside_envoy(args: argparse.Namespace) -> None:
         args.balance_factor,
         count_reports=args.load_reports == "on",
         traced=args.otlp_traces_endpoint is not None,
+        frontends=FrontendGroups(tuple(args.frontend_ports or ())),
     )
 
 
@@ -409,6 +433,7 @@ async def serve_shared(args: argparse.Namespace, parser: argparse.ArgumentParser
             tls,
             count_reports=args.load_reports == "on",
             traced=args.otlp_traces_endpoint is not None,
+            frontends=FrontendGroups((*fleet.frontends.port_sets, *(args.frontend_ports or ()))),
         )
     finally:
         await checks.close()
@@ -431,6 +456,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--admin-url", help="with --socket: that Envoy's admin, e.g. http://127.0.0.1:9901"
     )
     add_replica_address_options(parser)
+    parser.add_argument(
+        "--frontend-ports",
+        type=parse_frontend_ports,
+        action="append",
+        help="PORT+PORT...: the ports of one replica's frontend processes (on one IP), counted "
+        "as one replica; repeat for each such replica (implied by --upstream HOST:PORT+PORT...)",
+    )
     add_upstream_tls_options(parser)
     # Its own variables: a picker sharing the service's environment serves plaintext unless told.
     add_listener_tls_options(parser, "the Envoys' calls (with --listen)", env_prefix="PICKER_")

@@ -24,6 +24,7 @@ from types import ModuleType
 from typing import Any
 
 import grpc
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
@@ -44,6 +45,7 @@ OVERLAYS = (
     "autoscaling",
     "tracing",
     "two-models",
+    "inference-gateway",
 )
 # Directories that are parts of the overlays, not applied alone.
 PARTS = {"base", "model", "envoy", "policies", "components"}
@@ -61,7 +63,22 @@ CUSTOM_RESOURCES: dict[tuple[str, str], tuple[tuple[str, ...], ...]] = {
         ("spec", "scaleTargetRef", "name"),
         ("spec", "triggers"),
     ),
+    ("gateway.networking.k8s.io/v1", "Gateway"): (
+        ("spec", "gatewayClassName"),
+        ("spec", "listeners"),
+    ),
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"): (("spec", "parentRefs"), ("spec", "rules")),
+    # Also validated against its whole CRD: test_the_inference_pool_is_its_crds_and_the_fleets.
+    ("inference.networking.k8s.io/v1", "InferencePool"): (
+        ("spec", "selector"),
+        ("spec", "targetPorts"),
+    ),
 }
+# The InferencePool CRD of the Gateway API Inference Extension v1.6.0, as released
+# (config/crd/bases of kubernetes-sigs/gateway-api-inference-extension, Apache-2.0).
+INFERENCE_POOL_CRD = (
+    Path(__file__).parent / "crds" / "inference.networking.k8s.io_inferencepools.yaml"
+)
 ISSUER_KINDS = {"ca", "selfSigned", "acme", "vault", "venafi"}  # an Issuer has exactly one
 
 CHECKOV = ROOT / ".venv" / "tools" / "checkov" / "bin" / "checkov"
@@ -349,8 +366,9 @@ def test_network_policies_let_the_fleet_talk_and_no_one_else(
         envoy = named(documents, "Deployment", "llm-completions-envoy")
         picker = named(documents, "Deployment", "llm-completions-picker")
         for replicas in replica_deployments(documents):
-            assert reachable(documents, replicas, "grpc", envoy)
-            assert reachable(documents, replicas, "grpc", picker)  # its health checks
+            for port in ("grpc", *FRONTEND_PORT_NAMES):
+                assert reachable(documents, replicas, port, envoy)
+                assert reachable(documents, replicas, port, picker)  # its health checks
             assert not reachable(documents, replicas, "grpc", replicas)
             assert reachable(documents, replicas, "metrics", replicas)  # Prometheus: anyone
         assert reachable(documents, picker, "picker", envoy)
@@ -589,7 +607,8 @@ def test_the_probe_runs_as_the_kubelet_runs_it(authority: CertificateAuthority) 
 def test_without_tls_the_kubelet_probes_itself(rendered: dict[str, list[Document]]) -> None:
     """deploy/no-tls: the kubelet's own gRPC probes, no certificates, no probe script."""
     documents = rendered["no-tls"]
-    assert not of_kind(documents, "ConfigMap")
+    probe_scripts = [c for c in of_kind(documents, "ConfigMap") if "health_probe.py" in c["data"]]
+    assert not probe_scripts
     for deployment in of_kind(documents, "Deployment"):
         spec = pod_spec(deployment)
         assert not [v for v in spec["volumes"] if "secret" in v], deployment["metadata"]["name"]
@@ -677,3 +696,94 @@ def test_checkov_finds_nothing(checkov: subprocess.Popen[str] | None) -> None:
     )
     assert not failed, "\n".join(failed)
     assert summary["passed"] > 0
+
+
+FRONTEND_PORT_NAMES = ("frontend-0", "frontend-1")
+
+
+def frontend_ports(replicas: Document) -> list[int]:
+    """The ports Envoy, the picker and a gateway reach a replica's frontends on: each
+    frontend's own, or the service's port with one frontend (API_SERVER_COUNT)."""
+    (container,) = pod_spec(replicas)["containers"]
+    env = {item["name"]: item.get("value") for item in container["env"]}
+    ports = container_ports(replicas)
+    if int(env.get("API_SERVER_COUNT") or 1) == 1:
+        return [ports["grpc"]]
+    return [ports[name] for name in FRONTEND_PORT_NAMES[: int(env["API_SERVER_COUNT"])]]
+
+
+def test_envoy_and_the_picker_reach_every_frontend_of_a_replica(
+    rendered: dict[str, list[Document]],
+) -> None:
+    """Their --upstream (or --pool) replicas end in the replicas' frontend ports, HOST:P+P."""
+    for overlay, documents in rendered.items():
+        (ports,) = {tuple(frontend_ports(replicas)) for replicas in replica_deployments(documents)}
+        (config,) = [c for c in of_kind(documents, "ConfigMap") if "ports" in c.get("data", {})]
+        assert config["data"]["ports"] == "+".join(map(str, ports)), overlay
+        for name in ("llm-completions-envoy", "llm-completions-picker"):
+            (container,) = pod_spec(named(documents, "Deployment", name))["containers"]
+            replicas = [a for a in container["args"] if a.startswith(("--upstream=", "--pool="))]
+            assert replicas and all(a.endswith(":$(REPLICA_PORTS)") for a in replicas), overlay
+            (source,) = [e for e in container["env"] if e["name"] == "REPLICA_PORTS"]
+            assert source["valueFrom"]["configMapKeyRef"]["name"] == config["metadata"]["name"]
+
+
+def strict(schema: Any) -> Any:
+    """The CRD's schema as the API server applies it with strict field validation: a field it
+    does not declare is an error (jsonschema would let it pass)."""
+    if isinstance(schema, dict):
+        found = {key: strict(value) for key, value in schema.items()}
+        if "properties" in found and "additionalProperties" not in found:
+            found["additionalProperties"] = False
+        return found
+    if isinstance(schema, list):
+        return [strict(value) for value in schema]
+    return schema
+
+
+def test_the_inference_pool_is_its_crds_and_the_fleets(
+    rendered: dict[str, list[Document]],
+) -> None:
+    """deploy/inference-gateway: the InferencePool validates against the CRD's schema, selects
+    the replica pods, lists their frontends' ports, and names our picker's Service and port;
+    the gateway's route sends the service's calls to it, and its proxies may reach both."""
+    documents = rendered["inference-gateway"]
+    crd = yaml.safe_load(INFERENCE_POOL_CRD.read_text())
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    schema = strict(version["schema"]["openAPIV3Schema"])
+    (pool,) = of_kind(documents, "InferencePool")
+    errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(pool), key=str)
+    assert not errors, [f"{'.'.join(map(str, e.path))}: {e.message}" for e in errors]
+    spec = pool["spec"]
+    (replicas,) = replica_deployments(documents)
+    assert selects(spec["selector"]["matchLabels"], pod_labels(replicas))
+    assert [port["number"] for port in spec["targetPorts"]] == frontend_ports(replicas)
+    assert spec["appProtocol"] == "kubernetes.io/h2c"  # gRPC in cleartext (no TLS)
+    picker_service = named(documents, "Service", spec["endpointPickerRef"]["name"])
+    assert spec["endpointPickerRef"]["port"]["number"] in [
+        port["port"] for port in picker_service["spec"]["ports"]
+    ]
+    (route,) = of_kind(documents, "HTTPRoute")
+    (gateway,) = of_kind(documents, "Gateway")
+    assert route["spec"]["parentRefs"][0]["name"] == gateway["metadata"]["name"]
+    (rule,) = route["spec"]["rules"]
+    assert rule["backendRefs"] == [
+        {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "llm-completions"}
+    ]
+    assert rule["matches"][0]["path"]["value"] == "/llmcompletions.v2.CompletionService/"
+    proxies = {
+        "spec": {
+            "template": {
+                "metadata": {
+                    "labels": {
+                        "gateway.networking.k8s.io/gateway-name": gateway["metadata"]["name"]
+                    }
+                }
+            }
+        }
+    }
+    picker = named(documents, "Deployment", "llm-completions-picker")
+    assert reachable(documents, picker, "picker", proxies)
+    for port in FRONTEND_PORT_NAMES:
+        assert reachable(documents, replicas, port, proxies)
+    assert not reachable(documents, replicas, "grpc", replicas)

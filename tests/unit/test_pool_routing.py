@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from llmcompletions.v2.completions_pb2 import ListModelsResponse, Model
 
-from facade import balancing, envoy_config, options, render
+from facade import balancing, envoy_config, render
 from facade.pools import Pool, PoolError, checked, listing_header, parse_pool
 from plumbing.headers import ENDPOINT_MODELS_HEADER
 from service.api import endpoint_models
@@ -99,7 +99,7 @@ def test_the_model_is_read_after_the_transcoder_and_before_the_router() -> None:
 @pytest.mark.parametrize("text", ["alpha", "=h:1", "alpha=", "alpha=host", "alpha=h:1,h"])
 def test_a_malformed_pool_is_a_usage_error(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError):
-        parse_pool(text, options.parse_address)
+        parse_pool(text)
 
 
 def test_a_pool_is_named_after_its_base_model() -> None:

@@ -475,3 +475,15 @@ def test_a_request_without_a_prompt_path_goes_to_the_least_loaded_replica() -> N
     picker = two_replicas(A, B)
     picker.fleet.started("c", A)
     assert picked(picker.route(Exchange("c"), request())) == [B, A]
+
+
+def test_a_gateway_that_names_no_cluster_gets_a_pick_from_the_picker_of_one_pool() -> None:
+    """An Inference Extension gateway (an InferencePool's endpoint picker) sends no cluster
+    metadata: a picker following one pool picks among its replicas, and one following several
+    leaves the choice to the gateway."""
+    assert picked(two_replicas(A, B).route(Exchange(""), request([B], **KEYED))) == [B]
+    several = FleetView()
+    several.update({"c": {A: Replica(True)}, "d": {B: Replica(True)}})
+    unsure = ReplicaPicker(CacheAwarePolicy(balance_factor=125), several)
+    answer = unsure.route(Exchange(""), request(**KEYED))
+    assert answer.HasField("request_headers") and picked(answer) == []
