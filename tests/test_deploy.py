@@ -21,7 +21,7 @@ import yaml
 
 import facade.options
 import facade.picker.server
-from facade.addresses import parse_address
+from facade.addresses import parse_address, parse_replica
 from facade.options import DEFAULT_DISCOVERY_TIMEOUT
 from facade.render import ENVOY_TEMPLATE
 from service.cli import build_parser
@@ -38,8 +38,15 @@ REPLICAS = "llm-completions"
 ENVOY = "llm-completions-envoy"
 PICKER = "llm-completions-picker"
 # What a container's environment may hold besides its program's options: the pod's namespace
-# (for $(POD_NAMESPACE) in the arguments) and the Hugging Face Hub's offline switch.
-NOT_OPTIONS = {"POD_NAMESPACE", "HF_HUB_OFFLINE"}
+# and the replicas' ports (for $(POD_NAMESPACE) and $(REPLICA_PORTS) in the arguments) and the
+# Hugging Face Hub's offline switch.
+NOT_OPTIONS = {"POD_NAMESPACE", "REPLICA_PORTS", "HF_HUB_OFFLINE"}
+OVERLAYS = tuple(
+    "" if path.parent == DEPLOY else path.parent.name
+    for path in sorted(DEPLOY.glob("*kustomization.yaml"))
+    + sorted(DEPLOY.glob("*/kustomization.yaml"))
+    if path.parent.name not in (*BASES, "base", "components")
+)
 
 Document = dict[str, Any]
 
@@ -87,9 +94,38 @@ def env(deployment: Document) -> dict[str, str]:
         if "fieldRef" in source:
             assert source["fieldRef"]["fieldPath"] == "metadata.namespace", item
             values[item["name"]] = deployment["metadata"]["namespace"]
+        elif "configMapKeyRef" in source:
+            reference = source["configMapKeyRef"]
+            values[item["name"]] = config_map(reference["name"])["data"][reference["key"]]
         else:
             values[item["name"]] = item.get("value", "<secret>")
     return values
+
+
+def config_map(name: str) -> Document:
+    """A ConfigMap any overlay renders (its name ends in a hash of its data)."""
+    found = [
+        document
+        for overlay in OVERLAYS
+        for document in rendered(overlay)
+        if document["kind"] == "ConfigMap" and document["metadata"]["name"] == name
+    ]
+    assert found, f"no overlay renders the ConfigMap {name}"
+    return found[0]
+
+
+def frontend_ports(overlay: str = "") -> tuple[int, ...]:
+    """The ports Envoy and the picker reach a replica's frontends on: each frontend's own
+    (frontend-N) with API_SERVER_COUNT > 1, else the service's port."""
+
+    def of(replicas: Document) -> tuple[int, ...]:
+        count = int(env(replicas).get("API_SERVER_COUNT") or 1)
+        if count == 1:
+            return (ports(replicas)["grpc"],)
+        return tuple(ports(replicas)[f"frontend-{index}"] for index in range(count))
+
+    (same_in_every_pool,) = {of(replicas) for replicas in replica_deployments(overlay)}
+    return same_in_every_pool
 
 
 def arguments(deployment: Document) -> list[str]:
@@ -218,9 +254,10 @@ def test_envoy_points_at_the_headless_service_and_listens_where_envoy_yaml_says(
     deployment = find("Deployment", ENVOY, overlay)
     assert container(deployment)["command"] == ["python", "-m", "facade.launch"]
     headless = find("Service", "llm-completions-headless", overlay)
-    host, port = parse_address(flag(deployment, "upstream"))
-    assert host == cluster_name("llm-completions-headless", headless["metadata"]["namespace"])
-    assert port == headless["spec"]["ports"][0]["port"]
+    frontends = parse_replica(flag(deployment, "upstream"))
+    hosts = {host for host, _ in frontends}
+    assert hosts == {cluster_name("llm-completions-headless", headless["metadata"]["namespace"])}
+    assert tuple(port for _, port in frontends) == frontend_ports(overlay)
     template = yaml.safe_load(ENVOY_TEMPLATE.read_text())
     listener_port = template["static_resources"]["listeners"][0]["address"]["socket_address"]
     http_port = int(flag(deployment, "http-port"))
@@ -242,8 +279,9 @@ def test_a_hostname_upstream_is_resolved_with_dns(upstream: str) -> None:
     assert config["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
 
 
-def served_pools() -> dict[str, tuple[str, int]]:
-    """deploy/two-models' replicas: served model name -> the headless Service selecting them."""
+def served_pools() -> dict[str, tuple[tuple[str, int], ...]]:
+    """deploy/two-models' replicas: served model name -> the frontends of the headless Service
+    selecting them."""
     pools = {}
     services = of_kind("Service", "two-models")
     for deployment in replica_deployments("two-models"):
@@ -251,9 +289,8 @@ def served_pools() -> dict[str, tuple[str, int]]:
             s for s in services if s["spec"]["selector"].items() <= labels(deployment).items()
         ]
         address = cluster_name(headless["metadata"]["name"], headless["metadata"]["namespace"])
-        pools[env(deployment)["SERVED_MODEL_NAME"]] = (
-            address,
-            headless["spec"]["ports"][0]["port"],
+        pools[env(deployment)["SERVED_MODEL_NAME"]] = tuple(
+            (address, port) for port in frontend_ports("two-models")
         )
     return pools
 
@@ -265,12 +302,12 @@ def test_two_models_are_two_pools_behind_one_envoy() -> None:
     pools = served_pools()
     assert len(pools) == 2
     assert len({env(d)["MODEL"] for d in replica_deployments("two-models")}) == 2
-    assert {port for _, port in pools.values()} == {service_defaults().port}
+    assert {ports for ports in pools.values() if len(ports) < 2} == set(), "one frontend each"
     for name in (ENVOY, PICKER):
         deployment = find("Deployment", name, "two-models")
         assert "upstream" not in flags(deployment), name  # one pool, or several
         given = [text.split("=", 1) for text in flags(deployment)["pool"]]
-        assert {model: parse_address(address) for model, address in given} == pools, name
+        assert {model: parse_replica(address) for model, address in given} == pools, name
     # The rest of Envoy's command line is deploy/'s.
     one, two = (flags(find("Deployment", ENVOY, o)) for o in ("", "two-models"))
     assert {k: v for k, v in one.items() if k != "upstream"} == {
@@ -414,7 +451,7 @@ def test_certificates_name_the_hosts_their_clients_dial() -> None:
     replica_secret = secret_of(replicas, "TLS_CERT_FILE")
     assert secret_of(envoy, "UPSTREAM_CA_FILE") == secret_of(picker, "UPSTREAM_CA_FILE")
     assert secret_of(envoy, "UPSTREAM_CA_FILE") == replica_secret
-    dialled = {parse_address(flag(d, "upstream"))[0] for d in (envoy, picker)}
+    dialled = {parse_replica(flag(d, "upstream"))[0][0] for d in (envoy, picker)}
     assert dialled | {"localhost"} <= dns_names(replica_secret)
     picker_secret = secret_of(picker, "PICKER_TLS_CERT_FILE")
     assert secret_of(envoy, "PICKER_CA_FILE") == picker_secret
