@@ -36,7 +36,9 @@ START_BUDGET: dict[str, int] = {
     "tls": 1,  # serves TLS and requires client certificates
     # Two replicas joining a fresh Envoy under traffic, one drained and restarted.
     "multi-replica": 3,
-    "lifetime": 8,  # stopped at four moments of its start, by SIGTERM and by SIGKILL
+    # Stopped at four moments of its start, by SIGTERM and by SIGKILL; and with two frontends
+    # at one of them.
+    "lifetime": 10,
     "image": 1,  # the image's install, started as the image starts it
     # Two frontends over one engine core: one shared by the module (its last test drains it),
     # one whose frontend is killed, one whose engine core is.

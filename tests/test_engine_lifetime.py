@@ -1,5 +1,7 @@
 """The engine's processes never outlive the server: stopped at any moment of its start, with
-SIGTERM or SIGKILL, a replica exits at once and leaves no process. (Killed outright once it
+SIGTERM or SIGKILL, a replica exits at once and leaves no process; with two frontend
+processes (API_SERVER_COUNT=2) too, stopped while its engine core loads and its frontends
+start. (Killed outright once it
 serves: tests/test_multi_replica.py, where a replica of a fleet is SIGKILLed. Started beside
 another engine with automatic binding: tests/test_service_lifecycle.py.)"""
 
@@ -77,6 +79,7 @@ class Starting:
     signum: signal.Signals
     core_seen: float | None = None
     stopped_at: float | None = None
+    started: list[psutil.Process] | None = None  # its processes when it was stopped
 
     @property
     def pid(self) -> int:
@@ -97,6 +100,7 @@ class Starting:
         if not stage(core_age, self.log()):
             return False
         assert not self.replica.service_serving(), "the replica should still be starting"
+        self.started = psutil.Process(self.pid).children(recursive=True)
         os.kill(self.pid, self.signum)
         self.stopped_at = time.monotonic()
         return True
@@ -115,25 +119,48 @@ def processes_of(server_pid: int) -> list[psutil.Process]:
     return [p for p in found if p.pid != server_pid]
 
 
-def start_replica(tmp_path: Path, signum: signal.Signals) -> Starting:
+def left_running(one: Starting) -> list[psutil.Process]:
+    """What the replica started and still runs: its processes when it was stopped, and any
+    process on the host carrying its pid."""
+    found = {p.pid: p for p in [*(one.started or []), *processes_of(one.pid)]}
+    return [process for process in found.values() if runs(process)]
+
+
+def runs(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def start_replica(tmp_path: Path, signum: signal.Signals, frontends: int) -> Starting:
+    several = {"API_SERVER_COUNT": str(frontends)} if frontends > 1 else {}
+    if several:
+        several["FRONTEND_PORTS"] = ",".join(str(free_port()) for _ in range(frontends))
     replica = TestStack(
         grpc_port=free_port(),
         service_args=[*SMALL_ENGINE, "--metrics-port", str(free_port())],
         service_log=tmp_path / f"service-{signum.name}.log",
         engine="lifetime",
+        env=several,
     )
     replica.start(with_envoy=False)
     return Starting(replica, signum)
 
 
-@pytest.mark.parametrize("stage", list(STAGES))
+# Each stage with one frontend; with two, the moment its engine core loads the weights while
+# its frontends start.
+CASES = [(stage, 1) for stage in STAGES] + [("loading weights", 2)]
+
+
+@pytest.mark.parametrize(("stage", "frontends"), CASES)
 def test_stopped_at_any_moment_of_its_start_a_replica_leaves_nothing(
-    tmp_path: Path, stage: str
+    tmp_path: Path, stage: str, frontends: int
 ) -> None:
     """Two replicas start side by side; at `stage`, one gets SIGTERM and one SIGKILL. Both
     are gone at once (SIGTERM: a clean exit), and a few seconds later no process either
     started is left anywhere on the host."""
-    starting = [start_replica(tmp_path, s) for s in (signal.SIGTERM, signal.SIGKILL)]
+    starting = [start_replica(tmp_path, s, frontends) for s in (signal.SIGTERM, signal.SIGKILL)]
     try:
         deadline = time.monotonic() + ENGINE_START_TIMEOUT
         while not all([one.stop_at(STAGES[stage]) for one in starting]):
@@ -149,12 +176,12 @@ def test_stopped_at_any_moment_of_its_start_a_replica_leaves_nothing(
             if one.signum == signal.SIGTERM:
                 assert time.monotonic() - one.stopped_at < SIGTERM_EXIT_SECONDS + 1
         deadline = time.monotonic() + GONE_WITHIN_SECONDS
-        while any(processes_of(one.pid) for one in starting) and time.monotonic() < deadline:
+        while any(left_running(one) for one in starting) and time.monotonic() < deadline:
             time.sleep(0.2)
-        left = {one.signum.name: processes_of(one.pid) for one in starting}
+        left = {one.signum.name: left_running(one) for one in starting}
         assert not any(left.values()), f"still running after {stage!r}: {left}"
     finally:
         for one in starting:
-            for process in processes_of(one.pid):
+            for process in left_running(one):
                 process.kill()
             one.replica.stop()

@@ -33,7 +33,7 @@ from tests.conftest import (
     OTHER_API_KEY,
     SMALL_ENGINE,
 )
-from tests.helpers import body, grpc_request
+from tests.helpers import CAPITAL_PROMPT, body, grpc_request
 from tests.metrics import sample, scrape
 from tests.processes import TestStack, free_port, healthy_upstreams, stop_helpers
 
@@ -45,7 +45,7 @@ UNFINISHED = "llmcompletions_engine_unfinished_requests"
 GONE_SECONDS = 30
 
 
-def start_replica(log: Path, with_envoy: bool) -> TestStack:
+def start_replica(log: Path, with_envoy: bool, extra: tuple[str, ...] = ()) -> TestStack:
     ports = [free_port() for _ in range(FRONTENDS)]
     replica = TestStack(
         grpc_port=free_port(),
@@ -56,6 +56,7 @@ def start_replica(log: Path, with_envoy: bool) -> TestStack:
             *("--api-key", f"{API_KEY},{OTHER_API_KEY}"),
             *("--metrics-port", str(free_port())),
             *("--max-num-seqs", "4", "--max-num-queued-reqs", str(BOUND)),
+            *extra,
         ],
         env={"API_SERVER_COUNT": str(FRONTENDS), "FRONTEND_PORTS": ",".join(map(str, ports))},
         service_log=log,
@@ -73,9 +74,18 @@ def frontend_targets(replica: TestStack) -> list[str]:
     return replica.upstream_targets
 
 
+ADAPTER = "a1"
+
+
 @pytest.fixture(scope="module")
-def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestStack]:
-    started = start_replica(tmp_path_factory.mktemp("frontends") / "service.log", True)
+def replica(
+    tmp_path_factory: pytest.TempPathFactory, adapter_dirs: dict[str, Path]
+) -> Iterator[TestStack]:
+    """The module's replica, with Envoy, serving a LoRA adapter too (each frontend registers
+    the adapters given at start; the engine core holds their weights)."""
+    lora = ("--lora-modules", f"{ADAPTER}={adapter_dirs[ADAPTER]}", "--max-loras", "1")
+    log = tmp_path_factory.mktemp("frontends") / "service.log"
+    started = start_replica(log, True, lora)
     try:
         yield started
     finally:
@@ -126,6 +136,25 @@ def test_the_typed_client_given_every_frontend_spreads_its_calls(replica: TestSt
     grew = {frontend: after[frontend] - before[frontend] for frontend in after}
     # In turn once both connections are up (the first calls may find only one ready).
     assert sum(grew.values()) == 8 and min(grew.values()) >= 2, grew
+
+
+def test_an_adapter_given_at_start_serves_the_same_through_either_frontend(
+    replica: TestStack,
+) -> None:
+    """Greedy text of the adapter is the same whichever frontend serves it, and not the base
+    model's."""
+    replies = {}
+    for target in frontend_targets(replica):
+        with CompletionClient(target, api_key=API_KEY) as client:
+            for model in (ADAPTER, MODEL):
+                reply = client.complete(
+                    model=model, prompt=CAPITAL_PROMPT, max_tokens=16, temperature=0
+                )
+                replies[(target, model)] = reply.choices[0].text
+    first, second = frontend_targets(replica)
+    assert replies[(first, ADAPTER)] == replies[(second, ADAPTER)]
+    assert replies[(first, MODEL)] == replies[(second, MODEL)]
+    assert replies[(first, ADAPTER)] != replies[(first, MODEL)]
 
 
 def test_the_engine_cores_way_to_each_frontend_stays_open_while_it_serves(

@@ -25,7 +25,7 @@ from tests.shards import (
 
 TESTS = Path(__file__).resolve().parents[1]
 # Every start-up of a whole run; each costs about 50 s on a 2-core host.
-MAX_START_UPS = 23
+MAX_START_UPS = 25
 HARNESS = ("processes.py", "engines.py")
 
 
