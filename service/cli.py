@@ -1,6 +1,6 @@
 """Command line: `serve` (the default) runs the gRPC server; `prepare-model` readies the
-default model ahead of time. Every option can also be set by the environment variable
-named in its help."""
+default model ahead of time; `tenants hash-key` prints the hash of a key for the tenants file.
+Every option can also be set by the environment variable named in its help."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from service.options import (
 )
 from service.transport.logs import configure_logging
 
-COMMANDS = ("serve", "prepare-model")
+COMMANDS = ("serve", "prepare-model", "tenants")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 # The options before the command: those that take a value, and those that take none.
 TOP_LEVEL_VALUE_OPTIONS = ("--log-level", "--log-format")
@@ -63,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_chat_options(serve)
     add_engine_options(serve)
     commands.add_parser("prepare-model", help="convert the embedded default model into the cache")
+    tenants = commands.add_parser("tenants", help="the tenants file's tools")
+    tools = tenants.add_subparsers(dest="tool", required=True)
+    tools.add_parser(
+        "hash-key",
+        help="print the sha256 the tenants file stores for the key read from standard input "
+        "(one line; the key itself is stored nowhere)",
+    )
     return parser
 
 
@@ -70,10 +77,12 @@ def run_serve(args: argparse.Namespace) -> int:
     from plumbing.open_files import raise_open_files_limit
     from plumbing.tls import CertificateError
     from service.api.chat import ChatSettingsError, check_chat_settings
+    from service.api.tenants import TenantsFileError
     from service.model.adapters import AdapterError, check_adapters
     from service.model.default_model import model_directory
     from service.model.placement import PlacementError, binding
     from service.transport.server import run_server
+    from service.transport.tenants_file import read_table
 
     try:
         engine = engine_settings(args)
@@ -88,7 +97,15 @@ def run_serve(args: argparse.Namespace) -> int:
                 model_directory(engine.model),
                 engine.served_model_name,
             )
-    except (AdapterError, CertificateError, ChatSettingsError, PlacementError) as error:
+        if server.tenants_file is not None:
+            read_table(server.tenants_file)  # a file that cannot be used stops the start
+    except (
+        AdapterError,
+        CertificateError,
+        ChatSettingsError,
+        PlacementError,
+        TenantsFileError,
+    ) as error:
         print(f"llm-completions: error: {error}", file=sys.stderr)
         return 1
     if (problem := frontend_ports_problem(server)) is not None:
@@ -100,6 +117,17 @@ def run_serve(args: argparse.Namespace) -> int:
 
         return run_replica(server, engine, (args.log_level, args.log_format))
     return run_server(server, engine)
+
+
+def run_hash_key() -> int:
+    from service.api.tenants import hash_key
+
+    key = sys.stdin.readline().strip()
+    if not key:
+        print("llm-completions: error: give the key on standard input", file=sys.stderr)
+        return 1
+    print(hash_key(key))
+    return 0
 
 
 def run_prepare_model(_: argparse.Namespace) -> int:
@@ -140,4 +168,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     configure_logging(args.log_level, args.log_format)
     if args.command == "prepare-model":
         sys.exit(run_prepare_model(args))
+    if args.command == "tenants":
+        sys.exit(run_hash_key())
     exit_now(run_serve(args))

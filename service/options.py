@@ -381,6 +381,32 @@ def add_server_options(serve: argparse.ArgumentParser) -> None:
     )
     add_option(
         serve,
+        "--tenants-file",
+        "TENANTS_FILE",
+        None,
+        "YAML of tenants, each with its keys (SHA-256 hashes), the models it may reach and "
+        "its limits; reloaded within seconds of a change (docs/operating/tenants.md). With "
+        "--api-key too, those keys are callers that may reach every model",
+        Path,
+    )
+    add_option(
+        serve,
+        "--limits-store",
+        "LIMITS_STORE",
+        defaults.limits_store,
+        "where tenants' request and token windows are kept: memory:// (exact on one "
+        "replica) or redis://HOST:PORT (one budget per tenant across every replica)",
+        limits_store_url,
+    )
+    add_switch(
+        serve,
+        "--limits-fail-closed",
+        "LIMITS_FAIL_CLOSED",
+        "refuse tenants' calls (UNAVAILABLE) while the limits store fails, instead of letting "
+        "them pass",
+    )
+    add_option(
+        serve,
         "--api-server-count",
         "API_SERVER_COUNT",
         defaults.api_server_count,
@@ -589,6 +615,9 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         shutdown_grace_seconds=args.shutdown_grace,
         drain_delay_seconds=args.drain_delay,
         api_key=args.api_key,
+        tenants_file=args.tenants_file,
+        limits_store=args.limits_store,
+        limits_fail_closed=args.limits_fail_closed,
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
         log_prompts=args.log_prompts,
@@ -611,3 +640,11 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         chat=chat_settings(args),
         tracing=tracing_settings(args.otlp_traces_endpoint, DEFAULT_TRACING_NAME),
     )
+
+
+def limits_store_url(text: str) -> str:
+    """memory:// or a Redis URL (redis://, rediss://, redis+sentinel://, redis+cluster://)."""
+    schemes = ("memory://", "redis://", "rediss://", "redis+sentinel://", "redis+cluster://")
+    if not text.startswith(schemes):
+        raise argparse.ArgumentTypeError(f"expected memory:// or redis://HOST:PORT, got {text!r}")
+    return text

@@ -100,6 +100,9 @@ class ServerSettings:
     engine_stop_seconds: float = 1.0
     max_message_bytes: int = 16 * 1024 * 1024
     api_key: str | None = None  # when set, completion calls need `authorization: Bearer <key>`
+    tenants_file: Path | None = None  # tenants with their keys, models and limits (YAML)
+    limits_store: str = "memory://"  # where tenants' windows are kept (a Redis URL: shared)
+    limits_fail_closed: bool = False  # refuse calls while the store fails (else let them pass)
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = 9400  # None: no metrics endpoint
     log_prompts: bool = False

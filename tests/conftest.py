@@ -21,11 +21,13 @@ from llmcompletions.v2 import completions_pb2_grpc
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from bench.servers import VllmOpenAIServer
+from service.api.tenants import hash_key
 from service.model.default_model import DEFAULT_SERVED_MODEL_NAME, prepare_default_model
 from tests.engines import STARTS, Engine, SharedEngines
 from tests.models import build_adapter, with_bos_tokenizer
 from tests.otlp import OtlpReceiver
 from tests.processes import HealthWatch, TestStack, free_port
+from tests.redis_server import RedisServer, start_redis
 from tests.shards import SHARD_ENV, may_start
 
 MODEL = DEFAULT_SERVED_MODEL_NAME
@@ -33,6 +35,17 @@ MAX_MODEL_LEN = 2048
 API_KEY = "test-key-0123456789"
 # A second caller of the same server (it accepts both keys): cancels are scoped by key.
 OTHER_API_KEY = "other-key-9876543210"
+# The default stack's tenants (tests/test_tenants.py), beside API_KEY's keys: each key is
+# stored in the file as its hash only.
+TENANT_KEYS = {
+    "team-a": "team-a-key-5551",
+    "team-b": "team-b-key-5552",
+    "burst": "burst-key-5553",
+    "metered": "metered-key-5554",
+    "shared": "shared-key-5555",
+}
+TENANT_LIMITS = {"burst": "{rpm: 2}", "metered": "{tpm: 100000}", "shared": "{rpm: 3}"}
+TENANT_MODELS = {"team-a": [MODEL], "team-b": ["someone-elses-*"]}
 # Engine settings small enough that several engines fit on this machine at once.
 SMALL_ENGINE = ["--max-model-len", "512", "--kv-cache-gib", "0.25"]
 AUTH_HEADERS = {"Authorization": f"Bearer {API_KEY}"}
@@ -111,6 +124,7 @@ class ReadyStack:
 
     stack: TestStack
     with_envoy: bool = True
+    redis: RedisServer | None = None  # the tenants' limits store it uses, if any
 
     def wait_ready(self) -> None:
         if self.with_envoy:
@@ -120,6 +134,8 @@ class ReadyStack:
 
     def stop(self) -> None:
         self.stack.stop()
+        if self.redis is not None:
+            self.redis.stop()
 
 
 @dataclass
@@ -170,12 +186,33 @@ def on_free_ports(engine: str, service_args: list[str], log: Path, **options: ob
     )
 
 
+def tenants_yaml(extra_keys: dict[str, str] | None = None) -> str:
+    """The default stack's tenants file, with `extra_keys` (key id -> key) added to team-a."""
+    lines = ["version: 1", "tenants:"]
+    for tenant, key in TENANT_KEYS.items():
+        keys = [(f"{tenant}-1", key)]
+        if tenant == "team-a":
+            keys += list((extra_keys or {}).items())
+        listed = ", ".join(f"{{id: {i}, sha256: {hash_key(k)}}}" for i, k in keys)
+        lines += [f"  {tenant}:", f"    keys: [{listed}]"]
+        if tenant in TENANT_MODELS:
+            lines.append(f"    models: {TENANT_MODELS[tenant]}")
+        if tenant in TENANT_LIMITS:
+            lines.append(f"    limits: {TENANT_LIMITS[tenant]}")
+    return "\n".join(lines) + "\n"
+
+
 def start_main(logs: Path) -> Engine:
+    tenants = logs / "tenants.yaml"
+    tenants.write_text(tenants_yaml())
+    redis = start_redis(logs / "redis.log")  # the tenants' windows, as a fleet shares them
     stack = on_free_ports(
         "main",
         [
             *("--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-gib", "1"),
             *("--api-key", f"{API_KEY},{OTHER_API_KEY}"),
+            *("--tenants-file", str(tenants)),
+            *("--limits-store", redis.url),
             *("--keepalive-time", str(SERVER_KEEPALIVE_SECONDS)),
             *("--keepalive-timeout", str(SERVER_KEEPALIVE_SECONDS)),
             *CHAT_FLAGS,
@@ -184,7 +221,7 @@ def start_main(logs: Path) -> Engine:
         service_module="tests.fault_injection",  # the real engine, failing on request
     )
     stack.start()
-    return ReadyStack(stack)
+    return ReadyStack(stack, redis=redis)
 
 
 def start_vllm(model_dir: Path) -> Engine:
@@ -375,6 +412,14 @@ def stack(request: pytest.FixtureRequest) -> TestStack:
     engine = shared(request, "main")
     assert isinstance(engine, ReadyStack)
     return engine.stack
+
+
+@pytest.fixture(scope="session")
+def limits_redis(request: pytest.FixtureRequest) -> RedisServer:
+    """The Redis server the default stack keeps its tenants' windows in."""
+    engine = shared(request, "main")
+    assert isinstance(engine, ReadyStack) and engine.redis is not None
+    return engine.redis
 
 
 @pytest.fixture(scope="session")

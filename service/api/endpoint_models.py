@@ -12,6 +12,7 @@ from llmcompletions.v2.completions_pb2 import ListModelsResponse
 from vllm.lora.request import LoRARequest
 
 from service.api.errors import ModelNotFoundError
+from service.api.tenants import may_use, visible
 from service.model.adapters import ModelCatalog, UnknownModelError
 
 _listing: contextvars.ContextVar[ListModelsResponse | None] = contextvars.ContextVar(
@@ -34,15 +35,26 @@ def endpoint_listing() -> ListModelsResponse | None:
 
 
 def served_names(own: Sequence[str]) -> list[str]:
-    """The names a caller may use here: the endpoint's when known, else this server's own."""
+    """The names the caller may use here: the endpoint's when known, else this server's own,
+    those its tenant may reach."""
     listing = _listing.get()
-    return [model.id for model in listing.data] if listing is not None else list(own)
+    return visible([model.id for model in listing.data] if listing is not None else own)
+
+
+def visible_listing(listing: ListModelsResponse) -> ListModelsResponse:
+    """A listing with only the models the caller's tenant may reach."""
+    return ListModelsResponse(
+        object=listing.object, data=[model for model in listing.data if may_use(model.id)]
+    )
 
 
 def adapter_for(catalog: ModelCatalog, requested: str) -> LoRARequest | None:
     """The adapter a request for `requested` runs with (None: the base model alone); a name
-    this server does not serve is not found, with the endpoint's names in the message."""
+    this server does not serve, or that the caller's tenant may not reach, is not found (the
+    same answer: nobody learns what exists), with the names the caller may use."""
     try:
+        if not may_use(requested):
+            raise UnknownModelError(requested)
         return catalog.resolve(requested)
     except UnknownModelError:
         raise ModelNotFoundError(requested, served_names(catalog.names)) from None

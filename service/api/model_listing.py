@@ -16,6 +16,7 @@ from llmcompletions.v2.completions_pb2 import (
 )
 
 from service.api.endpoint_models import adapter_for
+from service.api.tenants import visible
 from service.model.engine import ServedModel
 
 OWNED_BY = "llm-completions"
@@ -27,7 +28,8 @@ class ModelListing:
     created: int = field(default_factory=lambda: int(time.time()))
 
     def listing(self) -> ListModelsResponse:
-        names = self.model.catalog.names
+        """The served names the caller's tenant may reach."""
+        names = visible(self.model.catalog.names)
         return ListModelsResponse(object="list", data=[self.entry(name) for name in names])
 
     def entry(self, name: str) -> Model:
@@ -43,7 +45,7 @@ class ModelListing:
             eos_token_ids=self.model.eos_token_ids,
             structured_outputs_backend=self.model.structured_outputs_backend,
             default_sampling=defaults,
-            adapters=list(self.model.catalog.adapters) if name == self.model.name else [],
+            adapters=visible(self.model.catalog.adapters) if name == self.model.name else [],
         )
 
     def described(self, name: str) -> dict[str, Any]:

@@ -1,7 +1,9 @@
 """API-key authentication for completion calls; health and reflection stay open.
 
-The key may be several, comma-separated: each is a caller of its own (a principal), named in
-the call's record by a digest of its key, so that a caller cancels only its own requests."""
+A tenant's key (the tenants file, service.api.tenants) makes the tenant the caller: every key
+of a tenant is one principal (its requests are cancelled by any of its keys), and the call may
+reach only the tenant's models. An API_KEY key is a caller of its own (a principal named by a
+digest of the key) that may reach every model; with both set, both kinds of key are taken."""
 
 from __future__ import annotations
 
@@ -13,9 +15,11 @@ import grpc
 from google.protobuf.message import Message
 
 from service.api.errors import CompletionError
+from service.api.tenants import bind_caller, unbind_caller
 from service.transport.error_mapping import abort_with
 from service.transport.interception import StreamBehaviour, StreamInterceptor
 from service.transport.request_context import current_record
+from service.transport.tenants_file import TenantsFile
 
 BEARER = "bearer "
 
@@ -52,9 +56,12 @@ class ApiKeyInterceptor(StreamInterceptor):
     """Refuses calls that lack `authorization: Bearer <key>` with an accepted key, before any
     other work; records the caller's principal."""
 
-    def __init__(self, methods: frozenset[str], api_key: str) -> None:
+    def __init__(
+        self, methods: frozenset[str], api_key: str | None, tenants: TenantsFile | None = None
+    ) -> None:
         super().__init__(methods)
-        self._keys = tuple(key.strip() for key in api_key.split(",") if key.strip())
+        self._keys = tuple(key.strip() for key in (api_key or "").split(",") if key.strip())
+        self._tenants = tenants
 
     async def around(
         self,
@@ -64,14 +71,25 @@ class ApiKeyInterceptor(StreamInterceptor):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[Message]:
         metadata = tuple(context.invocation_metadata() or ())
-        key = matching_key(presented_key(metadata), self._keys)
-        if key is None:
-            await abort_with(
-                context,
-                UnauthenticatedError(
-                    "Missing or wrong API key: send the header `Authorization: Bearer <key>`."
-                ),
-            )
-        current_record().principal = principal_of(str(key))
-        async for message in inner(request, context):
-            yield message
+        presented = presented_key(metadata)
+        caller = None if self._tenants is None else self._tenants.table.find(presented)
+        record = current_record()
+        if caller is not None:
+            record.principal = f"tenant-{caller.tenant}"
+            record.tenant, record.key_id = caller.tenant, caller.key_id
+        else:
+            key = matching_key(presented, self._keys)
+            if key is None:
+                await abort_with(
+                    context,
+                    UnauthenticatedError(
+                        "Missing or wrong API key: send the header `Authorization: Bearer <key>`."
+                    ),
+                )
+            record.principal = principal_of(str(key))
+        token = bind_caller(caller)
+        try:
+            async for message in inner(request, context):
+                yield message
+        finally:
+            unbind_caller(token)

@@ -80,7 +80,8 @@ class ErrorMappingInterceptor(StreamInterceptor):
                 if not sent_any:
                     framing = rest.framing(stream) if rest is not None and framed else ()
                     load = self._load_reports.header(invocation)
-                    await context.send_initial_metadata(identity() + framing + load)
+                    limits = current_record().reply_headers
+                    await context.send_initial_metadata(identity() + framing + load + limits)
                     sent_any = True
                 yield message
         except grpc.aio.AbortError:

@@ -58,6 +58,21 @@ TIME_PER_OUTPUT_TOKEN_SECONDS = Histogram(
     "Time per output token after the first of a streamed completion (one per request)",
     buckets=TOKEN_GAP_BUCKETS,
 )
+TENANT_RELOADS = Counter(
+    "llmcompletions_tenants_reloads",
+    "Changes of the tenants file: reloaded, or refused (invalid, unreadable) keeping the table",
+    ["result"],
+)
+RATE_LIMITED = Counter(
+    "llmcompletions_rate_limited",
+    "Calls refused because their tenant's limit (rpm or tpm) was spent",
+    ["tenant", "limit"],
+)
+LIMITS_STORE_ERRORS = Counter(
+    "llmcompletions_limits_store_errors",
+    "Failed calls to the rate-limit store, by the error's type",
+    ["error"],
+)
 PROMPT_TOKENS = Counter("llmcompletions_prompt_tokens", "Prompt tokens of served requests")
 CACHED_PROMPT_TOKENS = Counter(
     "llmcompletions_cached_prompt_tokens",
@@ -153,6 +168,9 @@ class RequestRecord:
     user: str
     stream: bool
     principal: str = ""  # who called (service.transport.auth), "" without authentication
+    tenant: str = ""  # the caller's tenant (the tenants file), "" without one
+    key_id: str = ""  # the id of the tenant's key it called with
+    reply_headers: tuple[tuple[str, str], ...] = ()  # added to the reply's headers (rate limits)
     trace_id: str = ""  # the call's trace, with tracing on
     started: float = field(default_factory=time.monotonic)
     first_message_at: float | None = None
@@ -208,3 +226,11 @@ class RequestRecord:
         if self.prompts is not None:
             fields.update(prompts=self.prompts, output=self.output)
         logger.info("request", extra={"fields": fields})
+
+
+def counted_limit(kind: str, detail: str) -> None:
+    """A refusal by a tenant's limit ("rpm", "tpm"; detail: the tenant) or a store error."""
+    if kind == "store":
+        LIMITS_STORE_ERRORS.labels(error=detail).inc()
+    else:
+        RATE_LIMITED.labels(tenant=detail, limit=kind).inc()

@@ -23,6 +23,7 @@ from service.api.cancellation import Cancellations
 from service.api.chat import ChatHandler
 from service.api.completions import CompletionHandler
 from service.api.model_listing import ModelListing
+from service.api.rate_limits import TenantLimits
 from service.api.tokenization import Tokenization
 from service.model.adapters import AdapterError, load_adapters
 from service.model.engine import ServedModel, start_engine
@@ -34,9 +35,17 @@ from service.transport.frontend import FrontendRole
 from service.transport.interception import StreamInterceptor
 from service.transport.key_order import KeyOrderInterceptor
 from service.transport.load_reports import LoadReports
-from service.transport.observability import label_frontend, serve_metrics, watch_engine_gauges
+from service.transport.observability import (
+    TENANT_RELOADS,
+    counted_limit,
+    label_frontend,
+    serve_metrics,
+    watch_engine_gauges,
+)
 from service.transport.request_context import RequestContextInterceptor
 from service.transport.servicer import CompletionServicer, Serving
+from service.transport.tenant_limits import TenantLimitsInterceptor
+from service.transport.tenants_file import TenantsFile
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +60,8 @@ def method_names(*names: str) -> frozenset[str]:
 ALL_METHODS = method_names(*(method.name for method in SERVICE_DESCRIPTOR.methods))
 # The calls that do work (a drain waits for them); describing the models is cheap.
 WORKING_METHODS = method_names("CreateCompletion", "CreateChatCompletion", "Tokenize", "Detokenize")
+# The calls a tenant's limits count (and whose tokens they charge).
+LIMITED_METHODS = method_names("CreateCompletion", "CreateChatCompletion")
 ENGINE_CHECK_SECONDS = 1.0
 # A drain takes the completion calls in flight as finished once none has run for this long,
 # so that a call the server accepted just before closing its listener is counted too.
@@ -103,9 +114,10 @@ class CallTracker(grpc.aio.ServerInterceptor):
 class ServiceState:
     """What the servicer sees of the engine: nothing until it is ready."""
 
-    def __init__(self) -> None:
+    def __init__(self, tenants: TenantsFile | None = None) -> None:
         self.serving: Serving | None = None
         self.model: ServedModel | None = None
+        self.tenants = tenants  # the tenants file, followed while serving
 
     def load(self) -> LoadSnapshot | None:
         """The engine's load now, for the replies' load reports."""
@@ -113,7 +125,8 @@ class ServiceState:
 
 
 def interceptor_chain(settings: ServerSettings, state: ServiceState) -> list[StreamInterceptor]:
-    """Outermost first: request context -> authentication -> error mapping. Nothing holds a
+    """Outermost first: request context -> authentication -> error mapping -> tenant limits
+    (with a tenants file). Nothing holds a
     call back here: the serving logic refuses what passes the backlog bounds
     (service.api.backlog)."""
     chain: list[StreamInterceptor] = [
@@ -121,10 +134,13 @@ def interceptor_chain(settings: ServerSettings, state: ServiceState) -> list[Str
             ALL_METHODS, settings.log_prompts, traced=settings.tracing is not None
         )
     ]
-    if settings.api_key:
-        chain.append(ApiKeyInterceptor(ALL_METHODS, settings.api_key))
+    if settings.api_key or state.tenants is not None:
+        chain.append(ApiKeyInterceptor(ALL_METHODS, settings.api_key, state.tenants))
     reports = LoadReports(state.load)
     chain.append(ErrorMappingInterceptor(ALL_METHODS, settings.max_message_bytes, reports))
+    if state.tenants is not None:  # inside the error mapping: a refusal is a 429
+        limits = TenantLimits(settings.limits_store, settings.limits_fail_closed, counted_limit)
+        chain.append(TenantLimitsInterceptor(LIMITED_METHODS, limits))
     return chain
 
 
@@ -226,7 +242,10 @@ async def serve(
     if server_settings.tracing is not None:  # before the engine's: vLLM's spans go with ours
         frontend = {} if role is None else {FRONTEND_ATTRIBUTE: str(role.link.index)}
         start_tracing(server_settings.tracing, frontend)
-    state = ServiceState()
+    tenants = None
+    if server_settings.tenants_file is not None:
+        tenants = TenantsFile(server_settings.tenants_file, counted_reload)
+    state = ServiceState(tenants)
     calls = CallTracker(WORKING_METHODS)
     server, health_servicer = build_server(server_settings, state, calls, role)
     if role is not None:
@@ -241,6 +260,7 @@ async def serve(
         describe_transport(server_settings),
     )
 
+    following = None if tenants is None else asyncio.ensure_future(tenants.follow())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -286,8 +306,9 @@ async def serve(
         # Keep serving while load balancers' health checks see NOT_SERVING and stop sending.
         await asyncio.sleep(server_settings.drain_delay_seconds)
     await drain(server, calls, server_settings.shutdown_grace_seconds)
-    if gauges is not None:
-        gauges.cancel()
+    for task in (gauges, following):
+        if task is not None:
+            task.cancel()
     if model is not None:
         model.engine.shutdown(timeout=server_settings.engine_stop_seconds)
     if server_settings.tracing is not None:
@@ -351,3 +372,7 @@ async def until_stopped_or_engine_dead(model: ServedModel, stopping: asyncio.Fut
             return True
         await asyncio.wait({stopping}, timeout=ENGINE_CHECK_SECONDS)
     return False
+
+
+def counted_reload(result: str) -> None:
+    TENANT_RELOADS.labels(result=result).inc()

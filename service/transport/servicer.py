@@ -117,7 +117,10 @@ class CompletionServicer(completions_pb2_grpc.CompletionServiceServicer):
         self, request: ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> ListModelsResponse:
         # Behind a facade with several pools, every pool's models (the facade passes them).
-        return endpoint_models.endpoint_listing() or self.serving().models.listing()
+        endpoint = endpoint_models.endpoint_listing()
+        if endpoint is not None:
+            return endpoint_models.visible_listing(endpoint)
+        return self.serving().models.listing()
 
     async def GetModelInfo(
         self, request: GetModelInfoRequest, context: grpc.aio.ServicerContext

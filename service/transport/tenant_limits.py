@@ -1,0 +1,43 @@
+"""Tenants' limits on the wire: a tenant's completion and chat calls are counted against its
+limits before any work (refused with RESOURCE_EXHAUSTED, 429, and `retry-after`), replies carry
+OpenAI's rate-limit headers, and each call's prompt and completion tokens are charged when it
+ends, however it ends (service.api.rate_limits keeps the windows)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+from google.protobuf.message import Message
+
+from service.api.rate_limits import TenantLimits
+from service.api.tenants import current_caller
+from service.transport.interception import StreamBehaviour, StreamInterceptor
+from service.transport.request_context import current_record
+
+
+class TenantLimitsInterceptor(StreamInterceptor):
+    def __init__(self, methods: frozenset[str], limits: TenantLimits) -> None:
+        super().__init__(methods)
+        self.limits = limits
+
+    async def around(
+        self,
+        inner: StreamBehaviour,
+        method: str,
+        request: Message,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[Message]:
+        caller = current_caller()
+        if caller is None or (caller.limits.rpm is None and caller.limits.tpm is None):
+            async for message in inner(request, context):
+                yield message
+            return
+        record = current_record()
+        windows = await self.limits.admit(caller)
+        record.reply_headers += tuple(header for window in windows for header in window.headers())
+        try:
+            async for message in inner(request, context):
+                yield message
+        finally:
+            self.limits.charge(caller, record.prompt_tokens + record.completion_tokens)
