@@ -46,7 +46,7 @@ def test_the_key_is_never_logged(stack: TestStack, rest: httpx.Client) -> None:
 
 
 def test_a_refused_call_is_counted_and_logged_once(stack: TestStack, metrics_url: str) -> None:
-    refused = {"method": "CreateCompletion", "code": "UNAUTHENTICATED"}
+    refused = {"method": "CreateCompletion", "code": "UNAUTHENTICATED", "tenant": ""}
     before = sample(metrics_url, "llmcompletions_requests_total", **refused)
     response = httpx.post(
         f"{stack.base_url}/v2/completions",

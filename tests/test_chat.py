@@ -432,7 +432,7 @@ def test_guided_fields_constrain_a_chat_reply_as_vllms_structured_outputs(
 
 
 def test_chat_calls_are_counted_apart(rest: httpx.Client, metrics_url: str) -> None:
-    chat_ok = {"method": "CreateChatCompletion", "code": "OK"}
+    chat_ok = {"method": "CreateChatCompletion", "code": "OK", "tenant": ""}
     before = sample(metrics_url, "llmcompletions_requests_total", **chat_ok)
     ours(rest, chat_body(CAPITAL, max_completion_tokens=2))
     assert sample(metrics_url, "llmcompletions_requests_total", **chat_ok) == before + 1

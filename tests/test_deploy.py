@@ -385,8 +385,11 @@ def parse_as_the_pod(
 
 
 def all_deployments() -> Iterator[Document]:
-    for overlay in ("", "no-tls", "cpu", "two-models"):
-        yield from of_kind("Deployment", overlay)
+    """Every Deployment of ours (deploy/tenants adds Redis's, whose options are its own)."""
+    for overlay in ("", "no-tls", "cpu", "two-models", "tenants"):
+        for deployment in of_kind("Deployment", overlay):
+            if container(deployment)["image"].startswith("llm-completions"):
+                yield deployment
 
 
 def test_every_variable_and_argument_is_an_option_of_its_program(

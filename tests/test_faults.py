@@ -25,7 +25,7 @@ LONG = {"prompt": "Count:", "max_tokens": 1500, "ignore_eos": True}
 def test_grpc_deadline_aborts_the_engine_request_and_is_recorded_as_expired(
     grpc_stub: completions_pb2_grpc.CompletionServiceStub, metrics_url: str
 ) -> None:
-    expired = {"method": "CreateCompletion", "code": "DEADLINE_EXCEEDED"}
+    expired = {"method": "CreateCompletion", "code": "DEADLINE_EXCEEDED", "tenant": ""}
     before = sample(metrics_url, "llmcompletions_requests_total", **expired)
     with pytest.raises(grpc.RpcError) as raised:
         list(grpc_stub.CreateCompletion(grpc_request(**LONG), timeout=1.0, metadata=GRPC_AUTH))

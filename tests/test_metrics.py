@@ -10,7 +10,7 @@ from tests.conftest import MODEL
 from tests.helpers import CAPITAL_PROMPT, body, complete, stream_chunks
 from tests.metrics import sample, scrape
 
-OK = {"method": "CreateCompletion", "code": "OK"}
+OK = {"method": "CreateCompletion", "code": "OK", "tenant": ""}
 
 
 def test_metrics_move_after_requests(rest: httpx.Client, metrics_url: str) -> None:
@@ -25,16 +25,13 @@ def test_metrics_move_after_requests(rest: httpx.Client, metrics_url: str) -> No
         return after.get(key, 0.0) - before.get(key, 0.0)
 
     assert grew("llmcompletions_requests_total", **OK) == 2
-    assert (
-        grew("llmcompletions_requests_total", method="CreateCompletion", code="INVALID_ARGUMENT")
-        == 1
-    )
+    assert grew("llmcompletions_requests_total", **{**OK, "code": "INVALID_ARGUMENT"}) == 1
     assert grew("llmcompletions_request_duration_seconds_count") == 3
     assert grew("llmcompletions_time_to_first_token_seconds_count") == 2
     # One observation for the one streamed request, not one per message.
     assert grew("llmcompletions_time_per_output_token_seconds_count") == 1
-    assert grew("llmcompletions_prompt_tokens_total") == 10
-    assert grew("llmcompletions_completion_tokens_total") == 8
+    assert grew("llmcompletions_prompt_tokens_total", tenant="") == 10
+    assert grew("llmcompletions_completion_tokens_total", tenant="") == 8
     assert sample(metrics_url, "llmcompletions_requests_in_flight") == 0
     assert sample(metrics_url, "llmcompletions_engine_unfinished_requests") == 0
 

@@ -155,6 +155,7 @@ class Replica:
             "llmcompletions_requests_total",
             method="CreateCompletion",
             code=code,
+            tenant="",
         )
 
     def processes(self) -> list[psutil.Process]:

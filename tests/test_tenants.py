@@ -15,7 +15,7 @@ import grpc
 import httpx
 import pytest
 from llmcompletions.v2 import completions_pb2_grpc
-from llmcompletions.v2.completions_pb2 import ListModelsRequest
+from llmcompletions.v2.completions_pb2 import CancelCompletionRequest, ListModelsRequest
 
 from service.api.rate_limits import TenantLimits
 from service.api.tenants import Caller, Limits
@@ -180,6 +180,7 @@ def test_a_key_added_or_removed_in_the_file_takes_effect_within_seconds(
     try:
         path.write_text(tenants_yaml({"team-a-2": new_key}))
         assert until_status(stack, new_key, 200) <= RELOAD_SECONDS
+        assert_cancels_reach_the_tenants_requests_whichever_key(stack, new_key)
         path.write_text(tenants_yaml())
         assert until_status(stack, new_key, 401) <= RELOAD_SECONDS
         reloads = "llmcompletions_tenants_reloads_total"
@@ -226,3 +227,60 @@ def test_a_tenants_budget_is_shared_with_every_replica_of_the_store(
     assert rest_completion(stack, TENANT_KEYS["shared"]).status_code == 200  # fails open
     after = sum(v for (name, _), v in scrape(stack.metrics_url).items() if name == errors)
     assert after > before
+
+
+def test_the_metrics_and_the_log_name_the_tenant_never_the_key(stack: TestStack) -> None:
+    def counts() -> tuple[float, float, float]:
+        ok = {"method": "CreateCompletion", "code": "OK", "tenant": "team-a"}
+        return (
+            sample(stack.metrics_url, "llmcompletions_requests_total", **ok),
+            sample(stack.metrics_url, "llmcompletions_completion_tokens_total", tenant="team-a"),
+            sample(stack.metrics_url, "llmcompletions_auth_failures_total", reason="unknown"),
+        )
+
+    before = counts()
+    reply = rest_completion(
+        stack, TENANT_KEYS["team-a"], max_tokens=3, ignore_eos=True, user="metered-call"
+    )
+    assert reply.status_code == 200
+    assert rest_completion(stack, "no-such-key").status_code == 401
+    after = counts()
+    assert after[0] - before[0] == 1 and after[1] - before[1] == 3 and after[2] - before[2] == 1
+    assert stack.service_log is not None
+    (line,) = [
+        line
+        for line in stack.service_log.read_text().splitlines()
+        if reply.headers["x-request-id"] in line and " request " in f" {line} "
+    ]
+    assert "tenant='team-a'" in line and "key_id='team-a-1'" in line
+    assert all(key not in stack.service_log.read_text() for key in TENANT_KEYS.values())
+
+
+def assert_cancels_reach_the_tenants_requests_whichever_key(
+    stack: TestStack, other_key: str
+) -> None:
+    """A stream sent with one of team-a's keys: another tenant's cancel is refused, and
+    team-a's other key cancels it."""
+    request_id = f"tenant-cancel-{time.monotonic_ns()}"
+    with grpc.insecure_channel(stack.grpc_target) as channel:
+        stub = completions_pb2_grpc.CompletionServiceStub(channel)
+        call = stub.CreateCompletion(
+            grpc_request(prompt="Count:", max_tokens=400, stream=True, ignore_eos=True),
+            timeout=60,
+            metadata=(*grpc_auth(TENANT_KEYS["team-a"]), ("x-request-id", request_id)),
+        )
+        next(call)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.CancelCompletion(
+                CancelCompletionRequest(request_id=request_id),
+                timeout=30,
+                metadata=grpc_auth(TENANT_KEYS["team-b"]),
+            )
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        done = stub.CancelCompletion(
+            CancelCompletionRequest(request_id=request_id),
+            timeout=30,
+            metadata=grpc_auth(other_key),
+        )
+        assert done.cancelled == 1
+        assert grpc_code(call) == grpc.StatusCode.CANCELLED

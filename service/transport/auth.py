@@ -18,6 +18,7 @@ from service.api.errors import CompletionError
 from service.api.tenants import bind_caller, unbind_caller
 from service.transport.error_mapping import abort_with
 from service.transport.interception import StreamBehaviour, StreamInterceptor
+from service.transport.observability import AUTH_FAILURES
 from service.transport.request_context import current_record
 from service.transport.tenants_file import TenantsFile
 
@@ -80,6 +81,7 @@ class ApiKeyInterceptor(StreamInterceptor):
         else:
             key = matching_key(presented, self._keys)
             if key is None:
+                AUTH_FAILURES.labels("missing" if presented is None else "unknown").inc()
                 await abort_with(
                     context,
                     UnauthenticatedError(

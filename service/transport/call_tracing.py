@@ -32,6 +32,10 @@ class CallSpan:
                 "rpc.grpc.status_code": grpc_status_number(code),
             }
         )
+        if record.tenant:
+            self.span.set_attributes(
+                {"llm_completions.tenant": record.tenant, "llm_completions.key_id": record.key_id}
+            )
         if code != "OK":
             self.span.set_status(Status(StatusCode.ERROR, code))
         otel_context.detach(self.token)  # type: ignore[arg-type]

@@ -39,8 +39,9 @@ FRONTEND: dict[str, str] = {}  # {"frontend": index} in a frontend of several
 
 REQUESTS = Counter(
     "llmcompletions_requests",
-    "Completion requests by gRPC method and final status (and frontend, with several)",
-    ["method", "code", *(["frontend"] if SEVERAL_FRONTENDS else [])],
+    "Completion requests by gRPC method, final status and tenant ('' without one), and "
+    "frontend with several",
+    ["method", "code", "tenant", *(["frontend"] if SEVERAL_FRONTENDS else [])],
 )
 REQUEST_SECONDS = Histogram(
     "llmcompletions_request_duration_seconds",
@@ -58,6 +59,11 @@ TIME_PER_OUTPUT_TOKEN_SECONDS = Histogram(
     "Time per output token after the first of a streamed completion (one per request)",
     buckets=TOKEN_GAP_BUCKETS,
 )
+AUTH_FAILURES = Counter(
+    "llmcompletions_auth_failures",
+    "Calls refused for their key: missing (no bearer key) or unknown (no caller has it)",
+    ["reason"],
+)
 TENANT_RELOADS = Counter(
     "llmcompletions_tenants_reloads",
     "Changes of the tenants file: reloaded, or refused (invalid, unreadable) keeping the table",
@@ -73,13 +79,18 @@ LIMITS_STORE_ERRORS = Counter(
     "Failed calls to the rate-limit store, by the error's type",
     ["error"],
 )
-PROMPT_TOKENS = Counter("llmcompletions_prompt_tokens", "Prompt tokens of served requests")
+PROMPT_TOKENS = Counter(
+    "llmcompletions_prompt_tokens", "Prompt tokens of served requests, by tenant", ["tenant"]
+)
 CACHED_PROMPT_TOKENS = Counter(
     "llmcompletions_cached_prompt_tokens",
-    "Prompt tokens of served requests found in the engine's prefix cache",
+    "Prompt tokens of served requests found in the engine's prefix cache, by tenant",
+    ["tenant"],
 )
 COMPLETION_TOKENS = Counter(
-    "llmcompletions_completion_tokens", "Completion tokens generated for served requests"
+    "llmcompletions_completion_tokens",
+    "Completion tokens generated for served requests, by tenant",
+    ["tenant"],
 )
 
 
@@ -204,12 +215,12 @@ class RequestRecord:
     def finish(self, code: str) -> None:
         """Count the request once, with its final status, and write its log line."""
         latency = time.monotonic() - self.started
-        REQUESTS.labels(self.method, code, *FRONTEND.values()).inc()
+        REQUESTS.labels(self.method, code, self.tenant, *FRONTEND.values()).inc()
         REQUEST_SECONDS.observe(latency)
         self.observe_time_per_output_token()
-        PROMPT_TOKENS.inc(self.prompt_tokens)
-        CACHED_PROMPT_TOKENS.inc(self.cached_tokens)
-        COMPLETION_TOKENS.inc(self.completion_tokens)
+        PROMPT_TOKENS.labels(self.tenant).inc(self.prompt_tokens)
+        CACHED_PROMPT_TOKENS.labels(self.tenant).inc(self.cached_tokens)
+        COMPLETION_TOKENS.labels(self.tenant).inc(self.completion_tokens)
         fields: dict[str, Any] = {
             "request_id": self.request_id,
             "model": self.model,
@@ -221,6 +232,8 @@ class RequestRecord:
             "latency_s": round(latency, 4),
             "status": code,
         }
+        if self.tenant:
+            fields.update(tenant=self.tenant, key_id=self.key_id)
         if self.trace_id:
             fields["trace_id"] = self.trace_id
         if self.prompts is not None:

@@ -84,7 +84,7 @@ def chain(servicer: Any) -> Any:
 
 
 def counted(code: str) -> float:
-    return REQUESTS.labels(METHOD, code)._value.get()
+    return REQUESTS.labels(METHOD, code, "")._value.get()
 
 
 async def drain(behaviour: Any, request: Any, context: FakeContext) -> list[Any]:

@@ -46,6 +46,7 @@ OVERLAYS = (
     "tracing",
     "two-models",
     "inference-gateway",
+    "tenants",
 )
 # Directories that are parts of the overlays, not applied alone.
 PARTS = {"base", "model", "envoy", "policies", "components"}
@@ -787,3 +788,29 @@ def test_the_inference_pool_is_its_crds_and_the_fleets(
     for port in FRONTEND_PORT_NAMES:
         assert reachable(documents, replicas, port, proxies)
     assert not reachable(documents, replicas, "grpc", replicas)
+
+
+def test_tenants_reach_every_replica_from_a_secret_and_one_store_only_they_reach(
+    rendered: dict[str, list[Document]],
+) -> None:
+    """deploy/tenants: the tenants file is the Secret's key, mounted as a directory (so that
+    edits reach running replicas); the limits store is the Redis Service, which only the
+    replicas may reach."""
+    documents = rendered["tenants"]
+    (replicas,) = replica_deployments(documents)
+    (container,) = pod_spec(replicas)["containers"]
+    env = {item["name"]: item.get("value") for item in container["env"]}
+    tenants_file = Path(env["TENANTS_FILE"])
+    volume = mounts(replicas)[str(tenants_file.parent)]
+    assert volume["secret"]["secretName"] == "llm-completions-tenants"
+    assert "items" not in volume["secret"]  # the whole Secret: updated in place by the kubelet
+    store = named(documents, "Service", "llm-completions-limits")
+    assert (
+        env["LIMITS_STORE"]
+        == f"redis://{store['metadata']['name']}:{store['spec']['ports'][0]['port']}"
+    )
+    redis = named(documents, "Deployment", "llm-completions-limits")
+    assert selects(store["spec"]["selector"], pod_labels(redis))
+    assert reachable(documents, redis, "redis", replicas)
+    envoy = named(documents, "Deployment", "llm-completions-envoy")
+    assert not reachable(documents, redis, "redis", envoy)
