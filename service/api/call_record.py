@@ -13,3 +13,6 @@ class CallRecord(Protocol):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int  # prompt tokens found in the engine's prefix cache
+
+    def tokenized(self, prompt_tokens: int) -> None:
+        """The prompt's tokens, as soon as they are known (a tenant's limits charge them)."""

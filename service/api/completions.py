@@ -117,7 +117,7 @@ class CompletionHandler:
             annotate_call(**{"llm_completions.adapter": adapter.lora_name})
         sequences = len(prepared) * requested_candidates(request)
         plan = choice_plan(request, prepared, self.model.tokenizer)
-        record.prompt_tokens = plan.prompt_tokens()
+        record.tokenized(plan.prompt_tokens())
         call.engine_prefix = engine_prefix
         call.check()
         self.backlog.admit(sequences)

@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -182,6 +183,8 @@ class RequestRecord:
     tenant: str = ""  # the caller's tenant (the tenants file), "" without one
     key_id: str = ""  # the id of the tenant's key it called with
     reply_headers: tuple[tuple[str, str], ...] = ()  # added to the reply's headers (rate limits)
+    # Told the prompt's tokens once tokenized (a tenant's limits charge them at once).
+    on_tokenized: Callable[[int], None] | None = None
     trace_id: str = ""  # the call's trace, with tracing on
     started: float = field(default_factory=time.monotonic)
     first_message_at: float | None = None
@@ -191,6 +194,11 @@ class RequestRecord:
     completion_tokens: int = 0
     prompts: list[str] | None = None  # only kept when prompts are logged
     output: str = ""
+
+    def tokenized(self, prompt_tokens: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        if self.on_tokenized is not None:
+            self.on_tokenized(prompt_tokens)
 
     def message_sent(self, message: Message) -> None:
         if message is END_OF_EVENTS:

@@ -1,7 +1,9 @@
 """Tenants' limits on the wire: a tenant's completion and chat calls are counted against its
 limits before any work (refused with RESOURCE_EXHAUSTED, 429, and `retry-after`), replies carry
-OpenAI's rate-limit headers, and each call's prompt and completion tokens are charged when it
-ends, however it ends (service.api.rate_limits keeps the windows)."""
+OpenAI's rate-limit headers, a completion's prompt tokens are charged as soon as it is
+tokenized, and the rest of each call's tokens when it ends, however it ends (a chat's prompt
+too: vLLM's chat serving tokenizes it inside the call). service.api.rate_limits keeps the
+windows."""
 
 from __future__ import annotations
 
@@ -36,8 +38,18 @@ class TenantLimitsInterceptor(StreamInterceptor):
         record = current_record()
         windows = await self.limits.admit(caller)
         record.reply_headers += tuple(header for window in windows for header in window.headers())
+        charged = 0
+
+        def charge_prompt(prompt_tokens: int) -> None:
+            nonlocal charged
+            self.limits.charge(caller, prompt_tokens)
+            charged += prompt_tokens
+
+        record.on_tokenized = charge_prompt
         try:
             async for message in inner(request, context):
                 yield message
         finally:
-            self.limits.charge(caller, record.prompt_tokens + record.completion_tokens)
+            record.on_tokenized = None
+            used = record.prompt_tokens + record.completion_tokens
+            self.limits.charge(caller, used - charged)
