@@ -26,17 +26,19 @@ def parse_replica(text: str) -> Frontends:
     """HOST:PORT, or HOST:PORT+PORT... for a replica running several frontend processes over
     one engine (API_SERVER_COUNT > 1), each on its own port."""
     host, _, ports = text.rpartition(":")
-    numbers = ports.split("+")
-    if not host or not all(number.isdigit() for number in numbers):
+    if not host:
         raise argparse.ArgumentTypeError(f"expected HOST:PORT or HOST:PORT+PORT..., got {text!r}")
-    if len(set(numbers)) != len(numbers):
-        raise argparse.ArgumentTypeError(f"{text!r} lists a port twice")
-    return tuple((host, int(number)) for number in numbers)
+    return tuple((host, port) for port in parse_frontend_ports(ports))
 
 
 def parse_frontend_ports(text: str) -> tuple[int, ...]:
-    """PORT+PORT...: one replica's frontends, as parse_replica reads them after HOST:."""
-    return tuple(port for _, port in parse_replica(f"_:{text}"))
+    """PORT+PORT...: one replica's frontends' ports, as parse_replica reads them after HOST:."""
+    numbers = text.split("+")
+    if not all(number.isdigit() for number in numbers):
+        raise argparse.ArgumentTypeError(f"expected PORT or PORT+PORT..., got {text!r}")
+    if len(set(numbers)) != len(numbers):
+        raise argparse.ArgumentTypeError(f"{text!r} lists a port twice")
+    return tuple(int(number) for number in numbers)
 
 
 def frontend_port_sets(replicas: Iterable[Frontends]) -> tuple[tuple[int, ...], ...]:

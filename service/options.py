@@ -644,7 +644,11 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
 
 def limits_store_url(text: str) -> str:
     """memory:// or a Redis URL (redis://, rediss://, redis+sentinel://, redis+cluster://)."""
+    from service.api.rate_limits import store_problem
+
     schemes = ("memory://", "redis://", "rediss://", "redis+sentinel://", "redis+cluster://")
     if not text.startswith(schemes):
         raise argparse.ArgumentTypeError(f"expected memory:// or redis://HOST:PORT, got {text!r}")
+    if (problem := store_problem(text)) is not None:
+        raise argparse.ArgumentTypeError(f"{text!r}: {problem}")
     return text

@@ -108,17 +108,19 @@ class FleetView:
     def loads(self, cluster: str) -> dict[str, int]:
         """The replicas with a healthy endpoint, and their requests: those this picker sent
         (to any of their frontends), plus those others did as of their last fresh report."""
+        ours = self.ours_by_replica(cluster)
         return {
-            replica: self.ours(cluster, replica) + self.others(cluster, replica)
+            replica: ours[replica] + self.others(cluster, replica)
             for replica in self.by_replica(self.healthy(cluster))
         }
 
-    def ours(self, cluster: str, replica: str) -> int:
-        return sum(
-            count
-            for (known, host), count in self.in_flight.items()
-            if known == cluster and self.replica_of(host) == replica
-        )
+    def ours_by_replica(self, cluster: str) -> Counter[str]:
+        """This picker's requests in flight in the cluster, by replica (one pass)."""
+        ours: Counter[str] = Counter()
+        for (known, host), count in self.in_flight.items():
+            if known == cluster:
+                ours[self.replica_of(host)] += count
+        return ours
 
     def others(self, cluster: str, replica: str) -> int:
         reported = self.reports.get((cluster, replica))
@@ -135,7 +137,7 @@ class FleetView:
         if not self.count_reports:
             return
         replica = self.replica_of(host)
-        ours = self.ours(cluster, replica) - 1  # the ending request is done
+        ours = self.ours_by_replica(cluster)[replica] - 1  # the ending request is done
         bound = round(report.named_metrics.get("max_num_queued_reqs", 0)) or None
         self.reports[(cluster, replica)] = Reported(max(0, held - ours), held, bound)
 

@@ -4,8 +4,9 @@ library keeps: in memory (exact on one replica) or in a shared store (a Redis UR
 per tenant across every replica).
 
 A request is counted as it arrives and refused before any work once the tenant's requests or
-tokens of the window are spent; its tokens are charged when it ends, whatever ended it. A store
-that fails lets requests pass (its errors counted), unless told to refuse them."""
+tokens of the window are spent; its tokens are charged as the transport learns them (a
+completion's prompt once tokenized, the rest when it ends, whatever ended it). A store that
+fails lets requests pass (its errors counted), unless told to refuse them."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import grpc
 from limits import RateLimitItem, RateLimitItemPerMinute
 from limits.aio.storage import Storage
 from limits.aio.strategies import FixedWindowRateLimiter
+from limits.errors import ConfigurationError
 from limits.storage import storage_from_string
 
 from service.api.errors import CompletionError
@@ -81,6 +83,15 @@ def store_options(store: str) -> dict[str, object]:
     if not store.startswith("redis"):
         return {}
     return {"implementation": "redispy", "socket_connect_timeout": 0.5, "socket_timeout": 0.5}
+
+
+def store_problem(store: str) -> str | None:
+    """Why `store` cannot be used as a limits store (None: it can), checked at start."""
+    try:
+        storage_from_string(f"async+{store}", **store_options(store))
+    except ConfigurationError as error:
+        return str(error)
+    return None
 
 
 class TenantLimits:

@@ -9,6 +9,7 @@ import argparse
 from collections import Counter
 
 import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 
 from facade.addresses import FrontendGroups, parse_frontend_ports, parse_replica
 from facade.launch import balancing
@@ -31,7 +32,7 @@ def fleet_of(*healthy: str) -> FleetView:
     return fleet
 
 
-def keyed(key: str) -> argparse.Namespace:
+def keyed(key: str) -> ext_proc.ProcessingRequest:
     return request(**{"x-prefix-path": f"64 50 {key}"})
 
 
@@ -39,6 +40,9 @@ def test_a_replica_is_written_with_its_frontends_ports() -> None:
     assert parse_replica("llm.svc:50052+50053") == (("llm.svc", 50052), ("llm.svc", 50053))
     assert parse_replica("10.0.0.1:50051") == (("10.0.0.1", 50051),)
     assert parse_frontend_ports("50052+50053") == (50052, 50053)
+    for wrong_ports in ("50052+", "50052+50052", "x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_frontend_ports(wrong_ports)
     for wrong in ("llm.svc:50052+", "llm.svc:50052+50052", "llm.svc", ":1+2"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_replica(wrong)

@@ -202,3 +202,13 @@ def test_the_cli_prints_a_keys_hash_and_never_the_key() -> None:
         check=True,
     )
     assert done.stdout.strip() == hash_key(KEY_A) and KEY_A not in done.stdout + done.stderr
+
+
+def test_a_limits_store_that_cannot_be_used_is_a_usage_error_at_start() -> None:
+    from service.cli import build_parser
+
+    for wrong in ("redis://host:notaport", "mysql://db:3306"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--limits-store", wrong])
+    args = build_parser().parse_args(["serve", "--limits-store", "redis://127.0.0.1:6379"])
+    assert args.limits_store == "redis://127.0.0.1:6379"
