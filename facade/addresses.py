@@ -26,7 +26,7 @@ def parse_replica(text: str) -> Frontends:
     """HOST:PORT, or HOST:PORT+PORT... for a replica running several frontend processes over
     one engine (API_SERVER_COUNT > 1), each on its own port."""
     host, _, ports = text.rpartition(":")
-    if not host:
+    if not host or not all(number.isdigit() for number in ports.split("+")):
         raise argparse.ArgumentTypeError(f"expected HOST:PORT or HOST:PORT+PORT..., got {text!r}")
     return tuple((host, port) for port in parse_frontend_ports(ports))
 
