@@ -310,6 +310,61 @@ def add_lora_options(parser: argparse.ArgumentParser, defaults: dict[str, Any]) 
         "the largest adapter rank served (vLLM allows 1, 8, 16, 32, 64, 128, 256, 320, 512)",
         positive_int,
     )
+    add_runtime_adapter_options(parser, defaults)
+
+
+def add_runtime_adapter_options(parser: argparse.ArgumentParser, defaults: dict[str, Any]) -> None:
+    add_option(
+        parser,
+        "--adapter-root",
+        "ADAPTER_ROOT",
+        None,
+        "a directory of LoRA adapters, one subdirectory each, served by the subdirectory's "
+        "name: loaded on first use, retired within seconds of its directory's removal or "
+        "change; load calls take paths only inside it",
+        Path,
+    )
+    add_switch(
+        parser,
+        "--enable-adapter-loading",
+        "ENABLE_ADAPTER_LOADING",
+        "accept LoadLoraAdapter and UnloadLoraAdapter calls (only with the operator key)",
+    )
+    add_option(
+        parser,
+        "--max-cpu-loras",
+        "MAX_CPU_LORAS",
+        None,
+        "adapters held in the engine's memory, those of --lora-modules included; the least "
+        "recently used idle one is evicted for a new one (unset: --lora-modules' count, plus "
+        "--max-loras when adapters come at runtime)",
+        positive_int,
+    )
+    add_option(
+        parser,
+        "--max-adapters",
+        "MAX_ADAPTERS",
+        defaults["max_adapters"],
+        "adapters loaded by call at once",
+        positive_int,
+    )
+    add_option(
+        parser,
+        "--max-adapter-bytes",
+        "MAX_ADAPTER_BYTES",
+        defaults["max_adapter_bytes"],
+        "the largest adapter (its files' total bytes) loaded at runtime",
+        positive_int,
+    )
+    add_option(
+        parser,
+        "--adapter-drain-seconds",
+        "ADAPTER_DRAIN_SECONDS",
+        defaults["adapter_drain_seconds"],
+        "how long calls running on an unloaded or replaced adapter may go on before they are "
+        "ended with an error",
+        positive_float,
+    )
 
 
 def add_limit_options(parser: argparse.ArgumentParser) -> None:
@@ -377,6 +432,15 @@ def add_server_options(serve: argparse.ArgumentParser) -> None:
         "require `authorization: Bearer <key>` on completion calls (health and reflection "
         "stay open); several keys, comma-separated, are several callers (a request is "
         "cancelled only by its own caller's key)",
+        secret=True,
+    )
+    add_option(
+        serve,
+        "--operator-api-key",
+        "OPERATOR_API_KEY",
+        None,
+        "the key (or keys, comma-separated) that may call LoadLoraAdapter and "
+        "UnloadLoraAdapter; no caller key ever may",
         secret=True,
     )
     add_option(
@@ -587,6 +651,12 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
         lora_modules=tuple(args.lora_modules),
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
+        adapter_root=args.adapter_root,
+        enable_adapter_loading=args.enable_adapter_loading,
+        max_cpu_loras=args.max_cpu_loras,
+        max_adapters=args.max_adapters,
+        max_adapter_bytes=args.max_adapter_bytes,
+        adapter_drain_seconds=args.adapter_drain_seconds,
         max_logprobs=ENGINE_MAX_LOGPROBS,
         extra_engine_args=args.engine_args,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
@@ -615,6 +685,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         shutdown_grace_seconds=args.shutdown_grace,
         drain_delay_seconds=args.drain_delay,
         api_key=args.api_key,
+        operator_api_key=args.operator_api_key,
         tenants_file=args.tenants_file,
         limits_store=args.limits_store,
         limits_fail_closed=args.limits_fail_closed,

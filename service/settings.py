@@ -54,12 +54,40 @@ class EngineSettings:
     lora_modules: tuple[LoraModule, ...] = ()
     max_loras: int = 1  # adapters in one batch
     max_lora_rank: int = 16  # the largest adapter rank the engine accepts
+    # Adapters that come and go while the server runs (service.model.adapter_registry): a
+    # directory of adapters served by their directory's name, and load/unload calls.
+    adapter_root: Path | None = None
+    enable_adapter_loading: bool = False
+    # Adapters held in the engine's memory, those given at start included (None: those plus
+    # --max-loras more when adapters come at runtime, as many as given otherwise).
+    max_cpu_loras: int | None = None
+    max_adapters: int = 64  # adapters loaded by call at once
+    max_adapter_bytes: int = 1024**3  # the files of one adapter
+    # How long an unloaded adapter's running calls may go on before they are ended.
+    adapter_drain_seconds: float = 30.0
     # The log-probabilities a request may ask for per step (None: vLLM's default); the API's
     # requests need service.api.declared_ranges.ENGINE_MAX_LOGPROBS.
     max_logprobs: int | None = None
     extra_engine_args: dict[str, Any] = field(default_factory=dict)
     # vLLM's request spans (`llm_request`) go here; None: no tracing.
     otlp_traces_endpoint: str | None = None
+
+    @property
+    def runtime_adapters(self) -> bool:
+        """Whether adapters may come and go while the server runs."""
+        return self.adapter_root is not None or self.enable_adapter_loading
+
+    @property
+    def lora_enabled(self) -> bool:
+        return bool(self.lora_modules) or self.runtime_adapters
+
+    @property
+    def resident_adapters(self) -> int:
+        """How many adapters the engine holds in memory (vLLM's max_cpu_loras)."""
+        if self.max_cpu_loras is not None:
+            return self.max_cpu_loras
+        room = self.max_loras if self.runtime_adapters else 0
+        return max(self.max_loras, len(self.lora_modules) + room)
 
 
 @dataclass(frozen=True)
@@ -100,6 +128,7 @@ class ServerSettings:
     engine_stop_seconds: float = 1.0
     max_message_bytes: int = 16 * 1024 * 1024
     api_key: str | None = None  # when set, completion calls need `authorization: Bearer <key>`
+    operator_api_key: str | None = None  # the keys that may load and unload adapters
     tenants_file: Path | None = None  # tenants with their keys, models and limits (YAML)
     limits_store: str = "memory://"  # where tenants' windows are kept (a Redis URL: shared)
     limits_fail_closed: bool = False  # refuse calls while the store fails (else let them pass)

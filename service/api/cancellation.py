@@ -11,16 +11,19 @@ in-band first if it streamed anything.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
 
 from service.api.errors import (
+    AdapterUnloadedError,
     CancelForbiddenError,
     CancelTargetNotFoundError,
+    CompletionError,
     FieldViolation,
     RequestCancelledError,
     RequestValidationError,
 )
+from service.model.adapter_registry import Lease
 from service.model.engine import ServedModel, abort_matching
 
 
@@ -30,11 +33,26 @@ class CancellableCall:
     principal: str  # "" without authentication: anyone may cancel
     engine_prefix: str | None = None  # set once the call knows its engine request ids
     cancelled: bool = False
+    # What ended the call when it was not its caller's cancel (an adapter's unload).
+    reason: CompletionError | None = None
+    leases: list[Lease] = field(default_factory=list)  # the adapter versions it runs with
+    abort: Callable[[list[str]], Awaitable[None]] | None = None  # aborts engine requests
 
     def check(self) -> None:
-        """Raises RequestCancelledError once the call was cancelled."""
+        """Raises RequestCancelledError (or what else ended it) once the call was ended."""
         if self.cancelled:
-            raise RequestCancelledError(self.request_id)
+            raise self.reason or RequestCancelledError(self.request_id)
+
+    def hold(self, lease: Lease) -> None:
+        """Holds `lease` until the call ends."""
+        self.leases.append(lease)
+
+    async def end_with_reason(self, reason: str) -> None:
+        """Ends the call with AdapterUnloadedError(reason), its engine requests aborted."""
+        self.reason = AdapterUnloadedError(reason)
+        self.cancelled = True
+        if self.abort is not None and self.engine_prefix is not None:
+            await self.abort([self.engine_prefix])
 
 
 class Cancellations:
@@ -45,11 +63,13 @@ class Cancellations:
     @contextlib.contextmanager
     def track(self, request_id: str, principal: str) -> Iterator[CancellableCall]:
         """Holds the call, cancellable by its id, while it runs."""
-        call = CancellableCall(request_id, principal)
+        call = CancellableCall(request_id, principal, abort=self.abort)
         self.calls.setdefault(request_id, []).append(call)
         try:
             yield call
         finally:
+            for lease in call.leases:
+                lease.release()
             held = self.calls[request_id]
             held.remove(call)
             if not held:
@@ -71,5 +91,8 @@ class Cancellations:
         for call in own:
             call.cancelled = True
         prefixes = [call.engine_prefix for call in own if call.engine_prefix is not None]
-        await abort_matching(self.model.engine, prefixes)
+        await self.abort(prefixes)
         return len(own)
+
+    async def abort(self, prefixes: list[str]) -> None:
+        await abort_matching(self.model.engine, prefixes)

@@ -10,6 +10,7 @@ model) and its own fingerprint."""
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from contextvars import ContextVar
@@ -49,9 +50,8 @@ from service.api.caller_errors import (
 from service.api.cancellation import CancellableCall
 from service.api.chat_replies import ChatReplies
 from service.api.chat_requests import chat_constraint_field, validate_chat_request, vllm_request
-from service.api.endpoint_models import adapter_for
+from service.api.endpoint_models import adapter_for_call, check_served
 from service.api.errors import PriorityNotEnabledError
-from service.model.adapters import ModelCatalog
 from service.model.engine import ServedModel
 from service.settings import ChatSettings, RequestLimits
 
@@ -86,11 +86,15 @@ def check_chat_settings(settings: ChatSettings) -> None:
         raise ChatSettingsError(f"--chat-template {settings.chat_template}: no such file")
 
 
-class CatalogChat(OpenAIServingChat):
-    """vLLM's chat serving, with the served names and adapters this server's catalog knows
-    (checked before a request gets here)."""
+# The adapter the current chat call holds (set before vLLM's serving runs it).
+CALL_ADAPTER: contextvars.ContextVar[LoRARequest | None] = contextvars.ContextVar(
+    "chat_adapter", default=None
+)
 
-    catalog: ModelCatalog
+
+class CatalogChat(OpenAIServingChat):
+    """vLLM's chat serving, with the served names and adapters this server's registry knows
+    (checked, and the adapter held, before a request gets here)."""
 
     async def _check_model(self, request: Any) -> ErrorResponse | None:
         return None
@@ -98,7 +102,7 @@ class CatalogChat(OpenAIServingChat):
     def _maybe_get_adapters(
         self, request: Any, supports_default_mm_loras: bool = False
     ) -> LoRARequest | None:
-        return adapter_for(self.catalog, request.model)
+        return CALL_ADAPTER.get()
 
     def _raise_if_error(self, finish_reason: str | None, request_id: str) -> None:
         constraint = CALL_CONSTRAINT.get()
@@ -145,7 +149,6 @@ def chat_serving(model: ServedModel, settings: ChatSettings) -> CatalogChat:
         enable_per_request_metrics=True,
         **common,
     )
-    serving.catalog = model.catalog
     return serving
 
 
@@ -176,6 +179,10 @@ class ChatHandler:
             # The engine request ids carry the request id, so engine logs can be matched to it.
             engine_request = vllm_request(request, f"{record.request_id}-{uuid.uuid4().hex[:8]}")
         CALL_CONSTRAINT.set(chat_constraint_field(request))
+        adapter = await adapter_for_call(self.model.adapters, request.model, call)
+        if adapter is not None:
+            annotate_call(**{"llm_completions.adapter": adapter.lora_name})
+        CALL_ADAPTER.set(adapter)
         call.engine_prefix = f"{VLLM_CHAT_ID_PREFIX}{engine_request.request_id}"
         call.check()
         timed = self.always_metrics or request.return_metrics
@@ -208,9 +215,7 @@ class ChatHandler:
         )
         if request.priority and self.model.scheduling_policy != "priority":
             raise PriorityNotEnabledError(request.priority)
-        adapter = adapter_for(self.model.catalog, request.model)  # 404 unless served
-        if adapter is not None:
-            annotate_call(**{"llm_completions.adapter": adapter.lora_name})
+        check_served(self.model.adapters, request.model)  # 404 unless served
         self.backlog.check(request.n if request.HasField("n") else 1)
 
     async def prompt_token_ids(self, request: CreateChatCompletionRequest) -> list[int]:
@@ -219,7 +224,7 @@ class ChatHandler:
             validate_chat_request(
                 request, self.model.vocab_size, self.model.structured_outputs_backend, self.limits
             )
-            adapter_for(self.model.catalog, request.model)  # 404 unless served
+            check_served(self.model.adapters, request.model)  # 404 unless served
             rendered = await self.serving.online_renderer.render_chat(
                 vllm_request(request, "tokenize")
             )

@@ -31,7 +31,7 @@ from service.api.caller_errors import (
 )
 from service.api.cancellation import CancellableCall
 from service.api.constraints import constraint_field
-from service.api.endpoint_models import adapter_for
+from service.api.endpoint_models import adapter_for_call
 from service.api.engine_calls import CURRENT_CALL, EngineCall, ObservedEngine
 from service.api.errors import (
     CompletionError,
@@ -111,7 +111,7 @@ class CompletionHandler:
         # The engine request ids carry the request id, so engine logs can be matched to it.
         engine_prefix = f"{record.request_id}-{header.id[-8:]}"
         with child_span("validate and tokenize"), building_request():
-            prepared, adapter = await self.prepare(request)
+            prepared, adapter = await self.prepare(request, call)
             slots = self.engine_requests(request, engine_prefix, len(prepared))
         if adapter is not None:
             annotate_call(**{"llm_completions.adapter": adapter.lora_name})
@@ -168,16 +168,18 @@ class CompletionHandler:
                 await self.model.engine.abort([slot.request_id for slot in slots])  # no-op if done
 
     async def prepare(
-        self, request: CreateCompletionRequest
+        self, request: CreateCompletionRequest, call: CancellableCall
     ) -> tuple[list[PreparedPrompt], LoRARequest | None]:
         """The request validated and its prompts tokenized (truncated as asked), each checked
-        against the limits and the context; and the adapter its model names, if any."""
+        against the limits and the context; and the adapter its model names, if any (held by
+        `call`)."""
         prompts = validate_request(
             request, self.model.vocab_size, self.model.structured_outputs_backend, self.limits
         )
         if request.priority and self.model.scheduling_policy != "priority":
             raise PriorityNotEnabledError(request.priority)
-        adapter = adapter_for(self.model.catalog, request.model)  # 404 for a model not served
+        # 404 for a model not served
+        adapter = await adapter_for_call(self.model.adapters, request.model, call)
         add_special_tokens = (
             request.add_special_tokens if request.HasField("add_special_tokens") else True
         )

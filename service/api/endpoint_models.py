@@ -11,9 +11,31 @@ from collections.abc import Sequence
 from llmcompletions.v2.completions_pb2 import ListModelsResponse
 from vllm.lora.request import LoRARequest
 
-from service.api.errors import ModelNotFoundError
+from service.api.cancellation import CancellableCall
+from service.api.errors import (
+    AdapterCallError,
+    AdapterCapacityCallError,
+    AdapterForbiddenCallError,
+    AdapterInvalidCallError,
+    AdapterNameTakenCallError,
+    AdapterNotFoundCallError,
+    AdapterPreconditionCallError,
+    ModelNotFoundError,
+)
 from service.api.tenants import may_use, visible
-from service.model.adapters import ModelCatalog, UnknownModelError
+from service.model.adapter_registry import (
+    AdapterCapacityError,
+    AdapterFromRootError,
+    AdapterOutsideRootError,
+    AdapterRegistry,
+)
+from service.model.adapters import (
+    AdapterError,
+    AdapterInvalidError,
+    AdapterNameTakenError,
+    AdapterNotFoundError,
+    UnknownModelError,
+)
 
 _listing: contextvars.ContextVar[ListModelsResponse | None] = contextvars.ContextVar(
     "endpoint_models", default=None
@@ -48,13 +70,42 @@ def visible_listing(listing: ListModelsResponse) -> ListModelsResponse:
     )
 
 
-def adapter_for(catalog: ModelCatalog, requested: str) -> LoRARequest | None:
-    """The adapter a request for `requested` runs with (None: the base model alone); a name
-    this server does not serve, or that the caller's tenant may not reach, is not found (the
-    same answer: nobody learns what exists), with the names the caller may use."""
+def check_served(adapters: AdapterRegistry, requested: str) -> None:
+    """A name this server does not serve, or that the caller's tenant may not reach, is not
+    found (the same answer: nobody learns what exists), with the names the caller may use."""
+    if not may_use(requested) or not adapters.serves(requested):
+        raise ModelNotFoundError(requested, served_names(adapters.names))
+
+
+async def adapter_for_call(
+    adapters: AdapterRegistry, requested: str, call: CancellableCall
+) -> LoRARequest | None:
+    """The adapter the call runs with (None: the base model alone), held by the call until it
+    ends (an unload waits for it), loaded into the engine if it was not."""
+    check_served(adapters, requested)
     try:
-        if not may_use(requested):
-            raise UnknownModelError(requested)
-        return catalog.resolve(requested)
+        lease = await adapters.acquire(requested, call.end_with_reason)
     except UnknownModelError:
-        raise ModelNotFoundError(requested, served_names(catalog.names)) from None
+        raise ModelNotFoundError(requested, served_names(adapters.names)) from None
+    except AdapterError as error:
+        raise adapter_call_error(error) from None
+    call.hold(lease)
+    return lease.request
+
+
+def adapter_call_error(error: AdapterError) -> AdapterCallError:
+    """The status an adapter's problem answers with."""
+    for model_error, call_error in ADAPTER_ERRORS:
+        if isinstance(error, model_error):
+            return call_error(str(error))
+    return AdapterInvalidCallError(str(error))
+
+
+ADAPTER_ERRORS: tuple[tuple[type[AdapterError], type[AdapterCallError]], ...] = (
+    (AdapterNotFoundError, AdapterNotFoundCallError),
+    (AdapterInvalidError, AdapterInvalidCallError),
+    (AdapterNameTakenError, AdapterNameTakenCallError),
+    (AdapterOutsideRootError, AdapterForbiddenCallError),
+    (AdapterCapacityError, AdapterCapacityCallError),
+    (AdapterFromRootError, AdapterPreconditionCallError),
+)

@@ -41,6 +41,7 @@ HTTP_STATUS: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.UNAUTHENTICATED: 401,
     grpc.StatusCode.PERMISSION_DENIED: 403,
     grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.CANCELLED: 499,
     grpc.StatusCode.UNAVAILABLE: 503,
@@ -90,10 +91,16 @@ class CompletionError(Exception):
     """A request that ends with an error status instead of a completion."""
 
     grpc_code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    # The HTTP status when the code's in the error table does not fit this error.
+    http_status_override: int | None = None
 
     def __init__(self, message: str) -> None:
         self.message = clip(message, MAX_MESSAGE_BYTES)
         super().__init__(self.message)
+
+    @property
+    def http_code(self) -> int:
+        return self.http_status_override or http_status(self.grpc_code)
 
     @property
     def violations(self) -> Sequence[FieldViolation]:
@@ -277,3 +284,41 @@ class CancelForbiddenError(CompletionError):
             f"The completion with the request id {quote(request_id)} was started by another "
             "caller; only the API key that started it may cancel it."
         )
+
+
+class AdapterCallError(CompletionError):
+    """An adapter that cannot be loaded, unloaded or run; the message names it."""
+
+
+class AdapterNotFoundCallError(AdapterCallError):
+    grpc_code = grpc.StatusCode.NOT_FOUND
+
+
+class AdapterInvalidCallError(AdapterCallError):
+    """A bad adapter, not a bad request field: 400, not the 422 of field validation."""
+
+    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+    http_status_override = 400
+
+
+class AdapterNameTakenCallError(AdapterCallError):
+    grpc_code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class AdapterForbiddenCallError(AdapterCallError):
+    grpc_code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class AdapterCapacityCallError(AdapterCallError):
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class AdapterPreconditionCallError(AdapterCallError):
+    grpc_code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class AdapterUnloadedError(AdapterCallError):
+    """A call still running on an adapter when its unload's drain deadline passed."""
+
+    grpc_code = grpc.StatusCode.ABORTED
+    http_status_override = 409

@@ -15,7 +15,7 @@ from llmcompletions.v2.completions_pb2 import (
     Model,
 )
 
-from service.api.endpoint_models import adapter_for
+from service.api.endpoint_models import check_served
 from service.api.tenants import visible
 from service.model.engine import ServedModel
 
@@ -29,14 +29,14 @@ class ModelListing:
 
     def listing(self) -> ListModelsResponse:
         """The served names the caller's tenant may reach."""
-        names = visible(self.model.catalog.names)
+        names = visible(self.model.adapters.names)
         return ListModelsResponse(object="list", data=[self.entry(name) for name in names])
 
     def entry(self, name: str) -> Model:
         return Model(**self.described(name))
 
     def info(self, name: str) -> GetModelInfoResponse:
-        adapter_for(self.model.catalog, name)  # 404 unless served
+        check_served(self.model.adapters, name)  # 404 unless served
         defaults = struct_pb2.Struct()
         defaults.update(self.model.default_sampling)
         return GetModelInfoResponse(
@@ -45,12 +45,12 @@ class ModelListing:
             eos_token_ids=self.model.eos_token_ids,
             structured_outputs_backend=self.model.structured_outputs_backend,
             default_sampling=defaults,
-            adapters=visible(self.model.catalog.adapters) if name == self.model.name else [],
+            adapters=visible(self.model.adapters.names[1:]) if name == self.model.name else [],
         )
 
     def described(self, name: str) -> dict[str, Any]:
         """The fields a list entry and the model information share (the OpenAI shape)."""
-        base = self.model.catalog.base
+        base = self.model.name
         parent = struct_pb2.Value()
         if name == base:
             parent.null_value = struct_pb2.NULL_VALUE

@@ -22,7 +22,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.tokenizers import TokenizerLike
 
 from service.api.beam_search import BeamSearchSettings
-from service.api.errors import CompletionError, http_status, utc_timestamp
+from service.api.errors import CompletionError, utc_timestamp
 from service.api.logprobs import StepLogprobs, next_offset, prompt_logprobs, token_logprobs
 from service.api.prompts import PreparedPrompt
 
@@ -296,7 +296,7 @@ def stream_error_chunk(error: CompletionError) -> CreateCompletionResponse:
     """The reference's stream error chunk: only `error` set."""
     return CreateCompletionResponse(
         error=StreamError(
-            status_code=http_status(error.grpc_code),
+            status_code=error.http_code,
             content=StreamErrorContent(error=error.message, timestamp=utc_timestamp()),
         )
     )

@@ -9,6 +9,7 @@ Read from a YAML file (`--tenants-file`):
         keys: [{id: a-2026-12, sha256: "<hex sha256 of the bearer key>"}]
         models: ["smollm2-*"]              # omitted: every model
         limits: {rpm: 600, tpm: 200000}    # per minute; omitted: unlimited
+        operator: false                    # true: its keys may load and unload adapters
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class TenantEntry(BaseModel):
     keys: list[KeyEntry] = Field(min_length=1)
     models: list[Annotated[str, StringConstraints(min_length=1)]] | None = None
     limits: Limits = Limits()
+    operator: bool = False  # its keys may load and unload adapters
 
     @model_validator(mode="after")
     def key_ids_are_unique(self) -> TenantEntry:
@@ -92,6 +94,7 @@ class Caller:
     key_id: str
     models: tuple[str, ...] | None  # fnmatch patterns; None: every model
     limits: Limits
+    operator: bool = False  # may load and unload adapters
 
     def may_use(self, model: str) -> bool:
         return self.models is None or any(fnmatch.fnmatchcase(model, p) for p in self.models)
@@ -138,7 +141,7 @@ def parse_tenants(text: str, source: str) -> TenantTable:
         raise TenantsFileError(f"{source}: {problems}") from None
     return TenantTable(
         tuple(
-            (key.sha256, Caller(tenant, key.id, patterns(entry), entry.limits))
+            (key.sha256, Caller(tenant, key.id, patterns(entry), entry.limits, entry.operator))
             for tenant, entry in document.tenants.items()
             for key in entry.keys
         )

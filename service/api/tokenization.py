@@ -16,7 +16,7 @@ from llmcompletions.v2.completions_pb2 import (
 from service.api.backlog import Backlog
 from service.api.chat import ChatHandler
 from service.api.chat_requests import conversation_of
-from service.api.endpoint_models import adapter_for
+from service.api.endpoint_models import check_served
 from service.api.errors import FieldViolation, RequestValidationError
 from service.api.prompts import prepare_prompts
 from service.api.validation import (
@@ -47,9 +47,8 @@ class Tokenization:
         if request.messages:
             return await self.tokenize_conversation(request)
         prompts = validate_tokenize_request(request, self.model.vocab_size, self.limits)
-        adapter_for(
-            self.model.catalog, request.model
-        )  # 404 unless served; adapters share the tokenizer
+        # 404 unless served; adapters share the tokenizer
+        check_served(self.model.adapters, request.model)
         add_special_tokens = (
             request.add_special_tokens if request.HasField("add_special_tokens") else True
         )
@@ -79,9 +78,8 @@ class Tokenization:
 
     async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         validate_detokenize_request(request, self.model.vocab_size, self.limits)
-        adapter_for(
-            self.model.catalog, request.model
-        )  # 404 unless served; adapters share the tokenizer
+        # 404 unless served; adapters share the tokenizer
+        check_served(self.model.adapters, request.model)
         with self.backlog.preparing(1):
             text = await asyncio.get_running_loop().run_in_executor(
                 self.tokenizing, self.model.tokenizer.decode, list(request.tokens)

@@ -15,6 +15,7 @@ from vllm.lora.request import LoRARequest
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from service.model import cpu_lora_fix
+from service.model.default_model import model_directory
 from service.settings import EngineSettings, LoraModule
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -32,8 +33,24 @@ ARCHITECTURE_KEYS = (
 )
 
 
+# The rank of the base model's stand-in when no adapter is given at start (any rank serves).
+STAND_IN_RANK = 8
+
+
 class AdapterError(Exception):
     """An adapter that cannot be served; the message, one line, names it."""
+
+
+class AdapterNotFoundError(AdapterError):
+    """The adapter's directory, or a file it needs, does not exist."""
+
+
+class AdapterInvalidError(AdapterError):
+    """Not an adapter this engine can serve on this model (its kind, rank or base model)."""
+
+
+class AdapterNameTakenError(AdapterError):
+    """The name is the base model's or another adapter's."""
 
 
 class UnknownModelError(LookupError):
@@ -58,14 +75,6 @@ class ModelCatalog:
         """Every name a request's `model` may be, the base model's first."""
         return [self.base, *self.adapters]
 
-    def resolve(self, requested: str) -> LoRARequest | None:
-        """The adapter a request for `requested` runs with (None: the base model alone)."""
-        if requested == self.base:
-            return self.base_adapter
-        if requested in self.adapters:
-            return self.adapters[requested]
-        raise UnknownModelError(requested)
-
     def engine_adapters(self) -> list[LoRARequest]:
         """Every adapter the engine loads, the stand-in for the base model included."""
         extra = [self.base_adapter] if self.base_adapter is not None else []
@@ -85,12 +94,22 @@ def build_catalog(settings: EngineSettings, scratch: Path) -> ModelCatalog:
     adapter is written into `scratch`."""
     adapters = lora_requests(settings.lora_modules)
     base_adapter = None
-    if adapters and cpu_lora_fix.needed():
-        path = cpu_lora_fix.write_zero_adapter(settings.lora_modules[0].path, scratch / "base")
+    if settings.lora_enabled and cpu_lora_fix.needed():
         base_adapter = LoRARequest(
-            f"{settings.served_model_name} (no adapter)", len(adapters) + 1, str(path)
+            f"{settings.served_model_name} (no adapter)",
+            len(adapters) + 1,
+            str(write_stand_in(settings, scratch / "base")),
         )
     return ModelCatalog(settings.served_model_name, adapters, base_adapter)
+
+
+def write_stand_in(settings: EngineSettings, target: Path) -> Path:
+    """The all-zero adapter base-model requests run with (cpu_lora_fix): a copy of the first
+    adapter given, else one built from the model's weights."""
+    if settings.lora_modules:
+        return cpu_lora_fix.write_zero_adapter(settings.lora_modules[0].path, target)
+    rank = min(STAND_IN_RANK, settings.max_lora_rank)
+    return cpu_lora_fix.write_model_zero_adapter(model_directory(settings.model), target, rank)
 
 
 def check_adapters(
@@ -106,7 +125,7 @@ def check_adapters(
     names = [module.name for module in modules]
     for module in modules:
         if module.name == served_name or names.count(module.name) > 1:
-            raise AdapterError(
+            raise AdapterNameTakenError(
                 f"adapter {quote(module.name)}: the name is taken (by the base model or "
                 "another adapter); each served name must be unique"
             )
@@ -116,18 +135,18 @@ def check_adapters(
 def check_adapter(module: LoraModule, max_lora_rank: int, model_dir: Path) -> None:
     config = adapter_config(module)
     if not any((module.path / name).is_file() for name in ADAPTER_WEIGHTS):
-        raise AdapterError(
+        raise AdapterNotFoundError(
             f"adapter {quote(module.name)}: no {' or '.join(ADAPTER_WEIGHTS)} in {module.path}"
         )
     rank = adapter_rank(module, config)
     if rank > max_lora_rank:
-        raise AdapterError(
+        raise AdapterInvalidError(
             f"adapter {quote(module.name)} has rank {rank}, over --max-lora-rank "
             f"{max_lora_rank}; raise --max-lora-rank to at least {rank}"
         )
     declared = config.get("base_model_name_or_path")
     if declared and not same_base(str(declared), model_dir):
-        raise AdapterError(
+        raise AdapterInvalidError(
             f"adapter {quote(module.name)} was trained on {quote(declared)}, not on the served "
             f"model {quote(model_dir)}"
         )
@@ -138,14 +157,18 @@ def adapter_config(module: LoraModule) -> dict[str, Any]:
     try:
         config = json.loads(path.read_text())
     except FileNotFoundError:
-        raise AdapterError(
+        raise AdapterNotFoundError(
             f"adapter {quote(module.name)}: {path} does not exist (--lora-modules takes "
             "NAME=DIR, DIR a PEFT adapter directory)"
         ) from None
     except (OSError, ValueError) as error:
-        raise AdapterError(f"adapter {quote(module.name)}: cannot read {path}: {error}") from None
+        raise AdapterInvalidError(
+            f"adapter {quote(module.name)}: cannot read {path}: {error}"
+        ) from None
     if not isinstance(config, dict) or config.get("peft_type", "LORA") != "LORA":
-        raise AdapterError(f"adapter {quote(module.name)}: {path} is not a LoRA adapter's config")
+        raise AdapterInvalidError(
+            f"adapter {quote(module.name)}: {path} is not a LoRA adapter's config"
+        )
     return config
 
 
@@ -153,7 +176,7 @@ def adapter_rank(module: LoraModule, config: dict[str, Any]) -> int:
     """The largest rank of the adapter's modules (PEFT's `rank_pattern` overrides `r`)."""
     ranks = [config.get("r"), *(config.get("rank_pattern") or {}).values()]
     if not all(isinstance(rank, int) and rank > 0 for rank in ranks):
-        raise AdapterError(f"adapter {quote(module.name)}: its config has no valid rank `r`")
+        raise AdapterInvalidError(f"adapter {quote(module.name)}: its config has no valid rank `r`")
     return max(ranks)
 
 

@@ -15,16 +15,21 @@ the bug, so the vLLM release that fixes it fails that test: then delete this mod
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from vllm.platforms import current_platform
 
 ADAPTER_CONFIG = "adapter_config.json"
 SAFETENSORS_WEIGHTS = "adapter_model.safetensors"
 BIN_WEIGHTS = "adapter_model.bin"
+# Projections every vLLM model with LoRA support takes adapters on; the stand-in built from the
+# model's own weights covers one of them (a slot's other modules are zero anyway).
+PROJECTIONS = ("q_proj", "qkv_proj", "o_proj", "down_proj", "dense")
 
 
 def lora_op_applies_last_slot_without_adapter() -> bool:
@@ -56,3 +61,38 @@ def write_zero_adapter(source: Path, target: Path) -> Path:
         target / SAFETENSORS_WEIGHTS,
     )
     return target
+
+
+def write_model_zero_adapter(model_dir: Path, target: Path, rank: int) -> Path:
+    """An all-zero adapter of `rank` on one projection of the model in `model_dir`, for when
+    no adapter was given at start (adapters come at runtime), written to `target`."""
+    module, (rows, columns) = first_projection(model_dir)
+    target.mkdir(parents=True, exist_ok=True)
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": rank,
+        "target_modules": [module.rsplit(".", 1)[-1]],
+        "bias": "none",
+        "base_model_name_or_path": str(model_dir),
+    }
+    (target / ADAPTER_CONFIG).write_text(json.dumps(config))
+    prefix = f"base_model.model.{module}"
+    weights = {
+        f"{prefix}.lora_A.weight": torch.zeros(rank, columns),
+        f"{prefix}.lora_B.weight": torch.zeros(rows, rank),
+    }
+    save_file(weights, target / SAFETENSORS_WEIGHTS)
+    return target
+
+
+def first_projection(model_dir: Path) -> tuple[str, tuple[int, int]]:
+    """The name of one projection layer of the model and its weight's shape (out, in)."""
+    for weights in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(weights), framework="pt") as tensors:
+            for key in tensors.keys():  # noqa: SIM118 (safe_open is no dict)
+                name = key.removesuffix(".weight")
+                if key.endswith(".weight") and name.rsplit(".", 1)[-1] in PROJECTIONS:
+                    rows, columns = tensors.get_slice(key).get_shape()
+                    return name, (rows, columns)
+    raise FileNotFoundError(f"no projection weights ({', '.join(PROJECTIONS)}) in {model_dir}")

@@ -17,6 +17,7 @@ from vllm.tokenizers import TokenizerLike
 from vllm.usage.usage_lib import UsageContext
 from vllm.v1.engine.async_llm import AsyncLLM
 
+from service.model.adapter_registry import AdapterRegistry
 from service.model.adapters import ModelCatalog, build_catalog
 from service.model.capacity import Capacity, resolve_capacity
 from service.model.default_model import model_directory
@@ -48,7 +49,7 @@ class ServedModel:
     system_fingerprint: str
     default_sampling: dict[str, Any]
     structured_outputs_backend: str
-    catalog: ModelCatalog  # the served names: the base model's and its adapters'
+    adapters: AdapterRegistry  # the served names: the base model's and its adapters'
     # Files the engine reads while it runs (the base model's stand-in adapter), removed after.
     scratch: tempfile.TemporaryDirectory[str]
     capacity: Capacity  # the batch the engine runs and the backlog it accepts
@@ -66,16 +67,16 @@ def resolve_dtype(dtype: str) -> str:
 
 
 def lora_args(settings: EngineSettings, catalog: ModelCatalog) -> dict[str, Any]:
-    """LoRA on when any adapter is served, with a slot more for the base model's stand-in."""
-    if not catalog.adapters:
+    """LoRA on when adapters are served (or may come at runtime), with a slot more for the base
+    model's stand-in."""
+    if not settings.lora_enabled:
         return {}
     extra = 1 if catalog.base_adapter is not None else 0
     return {
         "enable_lora": True,
         "max_loras": settings.max_loras + extra,
         "max_lora_rank": settings.max_lora_rank,
-        # Every adapter stays loaded in memory (load_adapters reads them all at start).
-        "max_cpu_loras": max(settings.max_loras, len(catalog.adapters)) + extra,
+        "max_cpu_loras": settings.resident_adapters + extra,
     }
 
 
@@ -214,7 +215,7 @@ def start_engine(settings: EngineSettings, link: FrontendLink | None = None) -> 
         system_fingerprint=fingerprint(args),
         default_sampling=model_config.get_diff_sampling_param(),
         structured_outputs_backend=engine.vllm_config.structured_outputs_config.backend,
-        catalog=catalog,
+        adapters=AdapterRegistry(engine, catalog, settings, model_dir, Path(scratch.name)),
         scratch=scratch,
         eos_token_ids=eos_token_ids(engine),
         scheduling_policy=engine.vllm_config.scheduler_config.policy,

@@ -16,6 +16,7 @@ from google.protobuf.message import Message
 
 from service.api.errors import CompletionError
 from service.api.tenants import bind_caller, unbind_caller
+from service.settings import ServerSettings
 from service.transport.error_mapping import abort_with
 from service.transport.interception import StreamBehaviour, StreamInterceptor
 from service.transport.observability import AUTH_FAILURES
@@ -27,6 +28,14 @@ BEARER = "bearer "
 
 class UnauthenticatedError(CompletionError):
     grpc_code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class NotOperatorError(CompletionError):
+    grpc_code = grpc.StatusCode.PERMISSION_DENIED
+
+
+def split_keys(keys: str | None) -> tuple[str, ...]:
+    return tuple(key.strip() for key in (keys or "").split(",") if key.strip())
 
 
 def presented_key(metadata: tuple[tuple[str, str | bytes], ...]) -> str | None:
@@ -61,7 +70,7 @@ class ApiKeyInterceptor(StreamInterceptor):
         self, methods: frozenset[str], api_key: str | None, tenants: TenantsFile | None = None
     ) -> None:
         super().__init__(methods)
-        self._keys = tuple(key.strip() for key in (api_key or "").split(",") if key.strip())
+        self._keys = split_keys(api_key)
         self._tenants = tenants
 
     async def around(
@@ -95,3 +104,51 @@ class ApiKeyInterceptor(StreamInterceptor):
                 yield message
         finally:
             unbind_caller(token)
+
+
+class OperatorKeyInterceptor(StreamInterceptor):
+    """Lets only an operator key (--operator-api-key, or a tenant marked `operator: true`)
+    make the operator's calls (loading and unloading adapters): a caller's key is refused with
+    PERMISSION_DENIED, whether or not callers need keys; no key or an unknown one with
+    UNAUTHENTICATED."""
+
+    def __init__(
+        self, methods: frozenset[str], settings: ServerSettings, tenants: TenantsFile | None
+    ) -> None:
+        super().__init__(methods)
+        self._operator_keys = split_keys(settings.operator_api_key)
+        self._caller_keys = split_keys(settings.api_key)
+        self._tenants = tenants
+
+    async def around(
+        self,
+        inner: StreamBehaviour,
+        method: str,
+        request: Message,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[Message]:
+        presented = presented_key(tuple(context.invocation_metadata() or ()))
+        caller = None if self._tenants is None else self._tenants.table.find(presented)
+        record = current_record()
+        if caller is not None and caller.operator:
+            record.principal = f"tenant-{caller.tenant}"
+            record.tenant, record.key_id = caller.tenant, caller.key_id
+        elif (key := matching_key(presented, self._operator_keys)) is not None:
+            record.principal = "operator-" + principal_of(key)
+        elif caller is not None or matching_key(presented, self._caller_keys) is not None:
+            AUTH_FAILURES.labels("not_operator").inc()
+            await abort_with(
+                context,
+                NotOperatorError("Only the operator key may load or unload adapters."),
+            )
+        else:
+            AUTH_FAILURES.labels("missing" if presented is None else "unknown").inc()
+            await abort_with(
+                context,
+                UnauthenticatedError(
+                    "Loading and unloading adapters needs the operator key: send "
+                    "`Authorization: Bearer <key>` with a key of --operator-api-key."
+                ),
+            )
+        async for message in inner(request, context):
+            yield message

@@ -22,7 +22,7 @@ from google.protobuf.message import Message
 from llmcompletions.v2.completions_pb2 import CreateCompletionResponse
 
 from plumbing.headers import MAX_REPLY_HEADER
-from service.api.errors import CompletionError, ReplyTooLargeError, http_status
+from service.api.errors import CompletionError, ReplyTooLargeError
 
 Metadata = Sequence[tuple[str, str | bytes]]
 
@@ -55,7 +55,7 @@ def error_body(error: CompletionError) -> dict[str, Any]:
 def error_metadata(error: CompletionError) -> tuple[tuple[str, str], ...]:
     """Trailing metadata from which the facade builds the HTTP status and JSON body."""
     body = json.dumps(error_body(error), ensure_ascii=True, separators=(",", ":"))
-    return ((HTTP_STATUS_HEADER, str(http_status(error.grpc_code))), (ERROR_BODY_HEADER, body))
+    return ((HTTP_STATUS_HEADER, str(error.http_code)), (ERROR_BODY_HEADER, body))
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from plumbing.call_backlog import call_backlog_options
 from plumbing.keepalive import server_options
 from plumbing.tls import server_credentials
 from plumbing.tracing import flush_tracing, start_tracing
+from service.api.adapter_admin import AdapterAdmin
 from service.api.backlog import Backlog, ReplicaTally
 from service.api.cancellation import Cancellations
 from service.api.chat import ChatHandler
@@ -29,7 +30,7 @@ from service.model.adapters import AdapterError, load_adapters
 from service.model.engine import ServedModel, start_engine
 from service.model.load import LoadSnapshot
 from service.settings import EngineSettings, ServerSettings
-from service.transport.auth import ApiKeyInterceptor
+from service.transport.auth import ApiKeyInterceptor, OperatorKeyInterceptor
 from service.transport.error_mapping import ErrorMappingInterceptor
 from service.transport.frontend import FrontendRole
 from service.transport.interception import StreamInterceptor
@@ -60,6 +61,8 @@ def method_names(*names: str) -> frozenset[str]:
 ALL_METHODS = method_names(*(method.name for method in SERVICE_DESCRIPTOR.methods))
 # The calls that do work (a drain waits for them); describing the models is cheap.
 WORKING_METHODS = method_names("CreateCompletion", "CreateChatCompletion", "Tokenize", "Detokenize")
+# The operator's calls: only an operator key may make them.
+ADAPTER_METHODS = method_names("LoadLoraAdapter", "UnloadLoraAdapter")
 # The calls a tenant's limits count (and whose tokens they charge).
 LIMITED_METHODS = method_names("CreateCompletion", "CreateChatCompletion")
 ENGINE_CHECK_SECONDS = 1.0
@@ -135,7 +138,9 @@ def interceptor_chain(settings: ServerSettings, state: ServiceState) -> list[Str
         )
     ]
     if settings.api_key or state.tenants is not None:
-        chain.append(ApiKeyInterceptor(ALL_METHODS, settings.api_key, state.tenants))
+        caller_methods = ALL_METHODS - ADAPTER_METHODS
+        chain.append(ApiKeyInterceptor(caller_methods, settings.api_key, state.tenants))
+    chain.append(OperatorKeyInterceptor(ADAPTER_METHODS, settings, state.tenants))
     reports = LoadReports(state.load)
     chain.append(ErrorMappingInterceptor(ALL_METHODS, settings.max_message_bytes, reports))
     if state.tenants is not None:  # inside the error mapping: a refusal is a 429
@@ -209,7 +214,11 @@ def serving(
     chat = ChatHandler(model, settings.limits, backlog, settings.chat, settings.per_request_metrics)
     tokenization = Tokenization(model, settings.limits, completions.tokenizing, backlog, chat)
     cancellations = Cancellations(model)
-    return Serving(completions, chat, ModelListing(model), tokenization, cancellations)
+    settings_of = model.adapters.settings
+    admin = AdapterAdmin(
+        model, settings_of.enable_adapter_loading, settings_of.adapter_drain_seconds
+    )
+    return Serving(completions, chat, ModelListing(model), tokenization, cancellations, admin)
 
 
 async def set_health(health_servicer: health.aio.HealthServicer, status: int) -> None:
@@ -268,6 +277,7 @@ async def serve(
 
     model: ServedModel | None = None
     gauges: asyncio.Task[None] | None = None
+    adapter_root: asyncio.Task[None] | None = None
     link = None if role is None else role.link
     loading = asyncio.ensure_future(asyncio.to_thread(start_engine, engine_settings, link))
     stopping = asyncio.ensure_future(stop.wait())
@@ -285,6 +295,8 @@ async def serve(
         state.serving = serving(model, server_settings, None if role is None else role.tally())
         state.model = model
         gauges = watch_engine_gauges(model.engine, state.serving.completions.backlog)
+        if engine_settings.adapter_root is not None:
+            adapter_root = asyncio.ensure_future(model.adapters.watch_root())
         # As vLLM's own server does once it is up: the objects made at start (the model's
         # config, the tokenizer, the modules) leave the garbage collector's generations, so
         # its collections while serving walk only what requests allocate.
@@ -306,7 +318,7 @@ async def serve(
         # Keep serving while load balancers' health checks see NOT_SERVING and stop sending.
         await asyncio.sleep(server_settings.drain_delay_seconds)
     await drain(server, calls, server_settings.shutdown_grace_seconds)
-    for task in (gauges, following):
+    for task in (gauges, following, adapter_root):
         if task is not None:
             task.cancel()
     if model is not None:
@@ -331,7 +343,7 @@ def describe_transport(settings: ServerSettings) -> str:
 async def adapters_loaded(model: ServedModel) -> bool:
     """Load the adapters into the engine; False (and a one-line error) if one fails."""
     try:
-        await load_adapters(model.engine, model.catalog)
+        await load_adapters(model.engine, model.adapters.catalog)
     except AdapterError as error:
         logger.error("%s", error)
         return False

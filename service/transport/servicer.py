@@ -24,11 +24,15 @@ from llmcompletions.v2.completions_pb2 import (
     GetModelInfoResponse,
     ListModelsRequest,
     ListModelsResponse,
+    LoadLoraAdapterRequest,
+    LoraAdapterResponse,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoraAdapterRequest,
 )
 
 from service.api import endpoint_models
+from service.api.adapter_admin import AdapterAdmin
 from service.api.cancellation import Cancellations
 from service.api.chat import ChatHandler
 from service.api.completions import CompletionHandler
@@ -52,6 +56,7 @@ class Serving:
     models: ModelListing
     tokenization: Tokenization
     cancellations: Cancellations
+    adapters: AdapterAdmin
 
 
 class CompletionServicer(completions_pb2_grpc.CompletionServiceServicer):
@@ -136,6 +141,16 @@ class CompletionServicer(completions_pb2_grpc.CompletionServiceServicer):
         self, request: DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> DetokenizeResponse:
         return await self.serving().tokenization.detokenize(request)
+
+    async def LoadLoraAdapter(
+        self, request: LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> LoraAdapterResponse:
+        return await self.serving().adapters.load(request)
+
+    async def UnloadLoraAdapter(
+        self, request: UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> LoraAdapterResponse:
+        return await self.serving().adapters.unload(request)
 
     def serving(self) -> Serving:
         serving = self._serving()

@@ -13,13 +13,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from vllm.lora.request import LoRARequest
 
-from service.api.endpoint_models import adapter_for
+from service.api.endpoint_models import check_served
 from service.api.errors import MAX_MESSAGE_BYTES, ModelNotFoundError
 from service.model import cpu_lora_fix
+from service.model.adapter_registry import AdapterRegistry
 from service.model.adapters import (
     AdapterError,
     ModelCatalog,
-    UnknownModelError,
     build_catalog,
     check_adapters,
     lora_requests,
@@ -62,30 +62,26 @@ def catalog(*names: str) -> ModelCatalog:
     return ModelCatalog(BASE, lora_requests([LoraModule(n, Path(f"/a/{n}")) for n in names]))
 
 
+def registry(*names: str) -> AdapterRegistry:
+    settings = EngineSettings(None, BASE)
+    return AdapterRegistry(None, catalog(*names), settings, Path("/"), Path("/"))  # type: ignore[arg-type]
+
+
 def test_names_are_the_base_then_the_adapters_in_order() -> None:
-    assert catalog("sql", "chat").names == [BASE, "sql", "chat"]
+    assert registry("sql", "chat").names == [BASE, "sql", "chat"]
+    assert registry("sql", "chat").serves("chat")
 
 
-def test_the_base_name_runs_without_an_adapter_and_an_adapter_name_with_its_own() -> None:
-    served = catalog("sql", "chat")
-    assert served.resolve(BASE) is None
-    chat = served.resolve("chat")
-    assert chat == LoRARequest("chat", 2, "/a/chat")
-
-
-def test_the_base_name_runs_with_the_stand_in_when_there_is_one() -> None:
+def test_the_stand_in_is_no_served_name() -> None:
     stand_in = LoRARequest("base (no adapter)", 2, "/scratch/base")
     served = ModelCatalog(BASE, catalog("sql").adapters, stand_in)
-    assert served.resolve(BASE) is stand_in
     assert served.engine_adapters() == [served.adapters["sql"], stand_in]
-    assert served.names == [BASE, "sql"]  # the stand-in is no served name
+    assert served.names == [BASE, "sql"]
 
 
 def test_an_unknown_name_is_not_found_listing_the_served_names() -> None:
-    with pytest.raises(UnknownModelError):
-        catalog("sql", "chat").resolve("nope")
     with pytest.raises(ModelNotFoundError) as caught:
-        adapter_for(catalog("sql", "chat"), "nope")
+        check_served(registry("sql", "chat"), "nope")
     assert caught.value.message == (
         f"The model `nope` does not exist; the served models are `{BASE}`, `sql`, `chat`."
     )
@@ -94,7 +90,7 @@ def test_an_unknown_name_is_not_found_listing_the_served_names() -> None:
 def test_the_not_found_message_stays_bounded_with_many_adapters() -> None:
     names = [f"adapter-{index:04d}" for index in range(2000)]
     with pytest.raises(ModelNotFoundError) as caught:
-        adapter_for(catalog(*names), "x" * 10_000)
+        check_served(registry(*names), "x" * 10_000)
     message = caught.value.message
     assert len(message.encode()) <= MAX_MESSAGE_BYTES
     assert f"`{BASE}`" in message and "more" in message

@@ -44,9 +44,9 @@ from service.api.caller_errors import (
 from service.api.chat import CALL_CONSTRAINT, CatalogChat
 from service.api.chat_requests import chat_constraint_field, validate_chat_request, vllm_request
 from service.api.completions import CompletionHandler
-from service.api.errors import CompletionError, Loc, ModelNotFoundError
+from service.api.errors import CompletionError, Loc, ModelNotFoundError, http_status
 from service.settings import RequestLimits
-from service.transport.rest_bridge import error_body, http_status
+from service.transport.rest_bridge import error_body
 
 HI = [{"role": "user", "content": "Hi"}]
 TOOL = {"type": "function", "function": {"name": "get_weather"}}

@@ -31,9 +31,8 @@ from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
 from service.api.backlog import Backlog
 from service.api.chat import ChatHandler
 from service.api.completions import CompletionHandler
-from service.api.errors import CompletionError, InternalError
+from service.api.errors import CompletionError, InternalError, http_status
 from service.settings import ChatSettings, RequestLimits
-from service.transport.rest_bridge import http_status
 from tests.request_strategies import chat_bodies, completion_bodies
 
 EXAMPLES = 150

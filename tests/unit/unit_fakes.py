@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -18,9 +19,11 @@ from vllm.outputs import CompletionOutput, RequestOutput
 from service.api.cancellation import CancellableCall
 from service.api.chat import ChatHandler
 from service.api.completions import CompletionHandler
+from service.model.adapter_registry import AdapterRegistry
 from service.model.adapters import ModelCatalog
 from service.model.capacity import Capacity
 from service.model.engine import ServedModel
+from service.settings import EngineSettings
 from service.transport.observability import RequestRecord
 
 MODEL = "smollm2-135m-instruct"
@@ -170,8 +173,9 @@ class StandInEngine:
 
 def served_model(engine: StandInEngine | None = None) -> ServedModel:
     """A served model with what the handlers read of one, on a stand-in engine."""
+    engine = engine or StandInEngine()
     return ServedModel(
-        engine=engine or StandInEngine(),  # type: ignore[arg-type]
+        engine=engine,  # type: ignore[arg-type]
         name=MODEL,
         tokenizer=AnyTextTokenizer(),  # type: ignore[arg-type]
         max_model_len=MAX_MODEL_LEN,
@@ -179,7 +183,13 @@ def served_model(engine: StandInEngine | None = None) -> ServedModel:
         system_fingerprint="fp",
         default_sampling={},
         structured_outputs_backend="xgrammar",
-        catalog=ModelCatalog(MODEL),
+        adapters=AdapterRegistry(
+            engine,  # type: ignore[arg-type]
+            ModelCatalog(MODEL),
+            EngineSettings(None, MODEL),
+            Path("/"),
+            Path("/"),
+        ),
         scratch=None,  # type: ignore[arg-type]
         capacity=Capacity(256, 2048, 1024, 1_000_000),
         load=None,  # type: ignore[arg-type]

@@ -23,6 +23,32 @@ class NumericRange(_message.Message):
     max_exclusive: bool
     def __init__(self, min: _Optional[float] = ..., min_exclusive: _Optional[bool] = ..., max: _Optional[float] = ..., max_exclusive: _Optional[bool] = ...) -> None: ...
 
+class LoadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path", "load_inplace")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    LOAD_INPLACE_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    load_inplace: bool
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., load_inplace: _Optional[bool] = ...) -> None: ...
+
+class UnloadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class LoraAdapterResponse(_message.Message):
+    __slots__ = ("lora_name", "object", "replicas")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    object: str
+    replicas: int
+    def __init__(self, lora_name: _Optional[str] = ..., object: _Optional[str] = ..., replicas: _Optional[int] = ...) -> None: ...
+
 class CancelCompletionRequest(_message.Message):
     __slots__ = ("request_id", "model")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -70,6 +70,16 @@ class CompletionServiceStub:
                 request_serializer=llmcompletions_dot_v2_dot_completions__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=llmcompletions_dot_v2_dot_completions__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/llmcompletions.v2.CompletionService/LoadLoraAdapter',
+                request_serializer=llmcompletions_dot_v2_dot_completions__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=llmcompletions_dot_v2_dot_completions__pb2.LoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/llmcompletions.v2.CompletionService/UnloadLoraAdapter',
+                request_serializer=llmcompletions_dot_v2_dot_completions__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=llmcompletions_dot_v2_dot_completions__pb2.LoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class CompletionServiceServicer:
@@ -142,6 +152,29 @@ class CompletionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Loads a LoRA adapter from a directory inside the server's adapter root and
+        serves it under `lora_name` (vLLM's load_lora_adapter). Only with
+        --enable-adapter-loading, and only for the operator key. NOT_FOUND: no
+        adapter there; INVALID_ARGUMENT: not one this engine can serve on this
+        model; ALREADY_EXISTS: the name is taken; PERMISSION_DENIED: outside the
+        adapter root, or not the operator key; RESOURCE_EXHAUSTED: over
+        --max-adapters or --max-adapter-bytes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Stops serving an adapter loaded by call (or given at start): new calls for
+        it get NOT_FOUND at once; calls running on it finish (past the drain
+        deadline they end with ABORTED); then the engine frees its copy, and the
+        reply comes. NOT_FOUND for a name not loaded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CompletionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -179,6 +212,16 @@ def add_CompletionServiceServicer_to_server(servicer, server):
                     servicer.Detokenize,
                     request_deserializer=llmcompletions_dot_v2_dot_completions__pb2.DetokenizeRequest.FromString,
                     response_serializer=llmcompletions_dot_v2_dot_completions__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=llmcompletions_dot_v2_dot_completions__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=llmcompletions_dot_v2_dot_completions__pb2.LoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=llmcompletions_dot_v2_dot_completions__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=llmcompletions_dot_v2_dot_completions__pb2.LoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -371,6 +414,60 @@ class CompletionService:
             '/llmcompletions.v2.CompletionService/Detokenize',
             llmcompletions_dot_v2_dot_completions__pb2.DetokenizeRequest.SerializeToString,
             llmcompletions_dot_v2_dot_completions__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmcompletions.v2.CompletionService/LoadLoraAdapter',
+            llmcompletions_dot_v2_dot_completions__pb2.LoadLoraAdapterRequest.SerializeToString,
+            llmcompletions_dot_v2_dot_completions__pb2.LoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmcompletions.v2.CompletionService/UnloadLoraAdapter',
+            llmcompletions_dot_v2_dot_completions__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            llmcompletions_dot_v2_dot_completions__pb2.LoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
