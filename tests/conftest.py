@@ -33,6 +33,11 @@ from tests.shards import SHARD_ENV, may_start
 MODEL = DEFAULT_SERVED_MODEL_NAME
 MAX_MODEL_LEN = 2048
 API_KEY = "test-key-0123456789"
+# The LoRA stack's operator key: it alone may load and unload adapters there.
+OPERATOR_KEY = "test-operator-key-0123"
+# The LoRA stack's engine: adapters at start, plus runtime ones past them (--max-cpu-loras's
+# default there is the two at start plus --max-loras: two more).
+LORA_RUNTIME_ARGS = ("--max-adapters", "8", "--max-adapter-bytes", "20000000")
 # A second caller of the same server (it accepts both keys): cancels are scoped by key.
 OTHER_API_KEY = "other-key-9876543210"
 # The default stack's tenants (tests/test_tenants.py), beside API_KEY's keys: each key is
@@ -244,9 +249,17 @@ def lora_flags(adapter_dirs: dict[str, Path]) -> list[str]:
     return ["--lora-modules", *(f"{name}={path}" for name, path in adapter_dirs.items())]
 
 
+def adapter_root_of(adapter_dirs: dict[str, Path]) -> Path:
+    """The LoRA stack's adapter root (empty at start), beside the adapters given at start."""
+    return next(iter(adapter_dirs.values())).parent / "root"
+
+
 def start_lora(adapter_dirs: dict[str, Path], logs: Path) -> Engine:
     """No chat flags: chat through an adapter and the tool choices that need a parser are
-    checked on it too. Envoy shows its routing keys (--debug-headers)."""
+    checked on it too. Envoy shows its routing keys (--debug-headers). Adapters also come and
+    go at runtime (an adapter root, load calls for the operator key)."""
+    root = adapter_root_of(adapter_dirs)
+    root.mkdir(exist_ok=True)
     stack = on_free_ports(
         "lora",
         [
@@ -254,6 +267,9 @@ def start_lora(adapter_dirs: dict[str, Path], logs: Path) -> Engine:
             *("--served-model-name", LORA_MODEL),
             *lora_flags(adapter_dirs),
             *("--max-loras", "2"),
+            *("--adapter-root", str(root), "--enable-adapter-loading"),
+            *("--operator-api-key", OPERATOR_KEY, "--adapter-drain-seconds", "20"),
+            *LORA_RUNTIME_ARGS,
         ],
         logs / "lora-service.log",
         envoy_args=["--debug-headers"],

@@ -42,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 # How long the calls an expired drain ended have to notice before the engine's copy goes.
 ENDED_CALLS_GRACE_SECONDS = 5.0
+# How long a call for an adapter not in the engine waits for one there to finish its calls.
+SLOT_WAIT_SECONDS = 30.0
 START, ROOT, CALL = "start", "root", "call"  # where a version came from
 
 
@@ -116,6 +118,8 @@ class AdapterRegistry:
         self.lock = asyncio.Lock()  # engine loads and evictions, one at a time
         self.retiring: set[asyncio.Task[None]] = set()
         self.loading: dict[str, asyncio.Future[AdapterVersion]] = {}
+        # Told each time an adapter enters (True) or leaves (False) the engine's memory.
+        self.on_residency: Callable[[str, bool], None] = lambda name, held: None
 
     @property
     def names(self) -> list[str]:
@@ -158,29 +162,41 @@ class AdapterRegistry:
         raise UnknownModelError(name)
 
     async def make_resident(self, version: AdapterVersion) -> None:
+        """Into the engine's memory, evicting the least recently used idle adapter if it is
+        full; while every adapter there runs calls, wait for one to finish."""
         if version.origin == START:
             return
-        async with self.lock:
-            adapter_id = version.request.lora_int_id
-            if adapter_id in self.resident:  # this version, or another with the same files
-                self.resident[adapter_id] = version
-                self.resident.move_to_end(adapter_id)
-                return
-            while len(self.resident) >= self.capacity:
-                await self.evict_one(version.name)
-            await self.add_to_engine(version)
-            self.resident[adapter_id] = version
+        waited = 0.0
+        while True:
+            async with self.lock:
+                adapter_id = version.request.lora_int_id
+                if adapter_id in self.resident:  # this version, or another with the same files
+                    self.resident[adapter_id] = version
+                    self.resident.move_to_end(adapter_id)
+                    return
+                idle = [held for held in self.resident.values() if not held.leases]
+                if len(self.resident) < self.capacity or idle:
+                    if len(self.resident) >= self.capacity:
+                        await self.evict(idle[0])
+                    await self.add_to_engine(version)
+                    self.resident[adapter_id] = version
+                    self.on_residency(version.name, True)
+                    return
+                busy = list(self.resident.values())
+            if waited >= SLOT_WAIT_SECONDS:
+                raise AdapterCapacityError(
+                    f"adapter {quote(version.name)}: all {self.capacity} adapter slots in the "
+                    f"engine's memory ran calls for {SLOT_WAIT_SECONDS:g}s; retry, or raise "
+                    "--max-cpu-loras"
+                )
+            started = asyncio.get_running_loop().time()
+            await any_idle(busy, SLOT_WAIT_SECONDS - waited)
+            waited += asyncio.get_running_loop().time() - started
 
-    async def evict_one(self, wanted: str) -> None:
-        idle = [version for version in self.resident.values() if not version.leases]
-        if not idle:
-            raise AdapterCapacityError(
-                f"adapter {quote(wanted)}: all {self.capacity} adapter slots in the engine's "
-                "memory run calls now; retry shortly, or raise --max-cpu-loras"
-            )
-        victim = idle[0]
+    async def evict(self, victim: AdapterVersion) -> None:
         del self.resident[victim.request.lora_int_id]
         await self.engine.remove_lora(victim.request.lora_int_id)
+        self.on_residency(victim.name, False)
         logger.info("adapter evicted from memory: %s (least recently used)", victim.name)
 
     async def add_to_engine(self, version: AdapterVersion) -> None:
@@ -367,6 +383,7 @@ class AdapterRegistry:
             if self.resident.get(adapter_id) is version or version.origin == START:
                 self.resident.pop(adapter_id, None)
                 await self.engine.remove_lora(adapter_id)
+                self.on_residency(version.name, False)
         self.remove_snapshot(version)
 
     def shares_files(self, version: AdapterVersion) -> bool:
@@ -385,6 +402,16 @@ class AdapterRegistry:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+async def any_idle(versions: list[AdapterVersion], seconds: float) -> None:
+    """Returns once any of `versions` runs no call, or after `seconds`."""
+    waits = [asyncio.ensure_future(version.idle.wait()) for version in versions]
+    try:
+        await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
 
 
 async def wait_idle(version: AdapterVersion, seconds: float) -> bool:

@@ -109,6 +109,13 @@ QUEUED_PROMPT_TOKENS = Gauge(
     "Prompt tokens of engine requests not yet past prefill (bounded by max_num_queued_tokens)",
     multiprocess_mode="livesum",
 )
+ADAPTER_RESIDENT = Gauge(
+    "llmcompletions_adapter_resident",
+    "1 for each LoRA adapter in the engine's memory now (vllm:lora_requests_info shows only "
+    "those with requests), 0 once it left",
+    ["adapter"],
+    multiprocess_mode="max",
+)
 PREPARING = Gauge(
     "llmcompletions_requests_preparing",
     "Calls being validated and tokenized, not yet in the engine (nothing else waits here)",
@@ -255,3 +262,10 @@ def counted_limit(kind: str, detail: str) -> None:
         LIMITS_STORE_ERRORS.labels(error=detail).inc()
     else:
         RATE_LIMITED.labels(tenant=detail, limit=kind).inc()
+
+
+def publish_resident_adapters(names: list[str]) -> Callable[[str, bool], None]:
+    """Sets the adapters given at start as resident; returns what to tell of each change."""
+    for name in names:
+        ADAPTER_RESIDENT.labels(name).set(1)
+    return lambda name, held: ADAPTER_RESIDENT.labels(name).set(1 if held else 0)

@@ -40,6 +40,7 @@ from service.transport.observability import (
     TENANT_RELOADS,
     counted_limit,
     label_frontend,
+    publish_resident_adapters,
     serve_metrics,
     watch_engine_gauges,
 )
@@ -295,6 +296,7 @@ async def serve(
         state.serving = serving(model, server_settings, None if role is None else role.tally())
         state.model = model
         gauges = watch_engine_gauges(model.engine, state.serving.completions.backlog)
+        model.adapters.on_residency = publish_resident_adapters(model.adapters.resident_names())
         if engine_settings.adapter_root is not None:
             adapter_root = asyncio.ensure_future(model.adapters.watch_root())
         # As vLLM's own server does once it is up: the objects made at start (the model's
