@@ -6,6 +6,7 @@ leaves nothing, and a dead frontend or engine core takes the replica down cleanl
 from __future__ import annotations
 
 import contextlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,7 +23,11 @@ import psutil
 import pytest
 from llmcompletions.client import CompletionClient
 from llmcompletions.v2 import completions_pb2_grpc
-from llmcompletions.v2.completions_pb2 import CancelCompletionRequest
+from llmcompletions.v2.completions_pb2 import (
+    CancelCompletionRequest,
+    LoadLoraAdapterRequest,
+    UnloadLoraAdapterRequest,
+)
 
 from tests.conftest import (
     API_KEY,
@@ -30,6 +35,7 @@ from tests.conftest import (
     ENGINE_START_TIMEOUT,
     GRPC_AUTH,
     MODEL,
+    OPERATOR_KEY,
     OTHER_API_KEY,
     SMALL_ENGINE,
 )
@@ -82,10 +88,14 @@ def replica(
     tmp_path_factory: pytest.TempPathFactory, adapter_dirs: dict[str, Path]
 ) -> Iterator[TestStack]:
     """The module's replica, with Envoy, serving a LoRA adapter too (each frontend registers
-    the adapters given at start; the engine core holds their weights)."""
+    the adapters given at start; the engine core holds their weights), and adapters that come
+    at runtime: from an adapter root, or loaded by the operator."""
+    directory = tmp_path_factory.mktemp("frontends")
     lora = ("--lora-modules", f"{ADAPTER}={adapter_dirs[ADAPTER]}", "--max-loras", "1")
-    log = tmp_path_factory.mktemp("frontends") / "service.log"
-    started = start_replica(log, True, lora)
+    runtime = ("--adapter-root", str(directory / "root"), "--enable-adapter-loading")
+    (directory / "root").mkdir()
+    operator = ("--operator-api-key", OPERATOR_KEY)
+    started = start_replica(directory / "service.log", True, (*lora, *runtime, *operator))
     try:
         yield started
     finally:
@@ -155,6 +165,45 @@ def test_an_adapter_given_at_start_serves_the_same_through_either_frontend(
     assert replies[(first, ADAPTER)] == replies[(second, ADAPTER)]
     assert replies[(first, MODEL)] == replies[(second, MODEL)]
     assert replies[(first, ADAPTER)] != replies[(first, MODEL)]
+
+
+def adapter_texts(replica: TestStack, model: str) -> list[str | grpc.StatusCode]:
+    """Each frontend's greedy text for `model`, or the status it refused with."""
+    texts: list[str | grpc.StatusCode] = []
+    for target in frontend_targets(replica):
+        with grpc.insecure_channel(target) as channel:
+            stub = completions_pb2_grpc.CompletionServiceStub(channel)
+            request = grpc_request(model=model, prompt=CAPITAL_PROMPT, max_tokens=16)
+            try:
+                (reply,) = stub.CreateCompletion(request, timeout=60, metadata=GRPC_AUTH)
+                texts.append(reply.choices[0].text)
+            except grpc.RpcError as error:
+                texts.append(error.code())
+    return texts
+
+
+def test_adapters_loaded_and_unloaded_at_runtime_reach_both_frontends(
+    replica: TestStack, adapter_dirs: dict[str, Path]
+) -> None:
+    """A load or unload reaching one frontend is done by both (each keeps its own table of
+    adapters over the one engine); one dropped into the root is served by both."""
+    root = Path(replica.service_args[replica.service_args.index("--adapter-root") + 1])
+    staged = shutil.copytree(adapter_dirs[ADAPTER], root / ".staging")
+    start_text = adapter_texts(replica, ADAPTER)[0]
+    first, second = frontend_targets(replica)
+    operator = (("authorization", f"Bearer {OPERATOR_KEY}"),)
+    with grpc.insecure_channel(first) as channel:
+        stub = completions_pb2_grpc.CompletionServiceStub(channel)
+        load = LoadLoraAdapterRequest(lora_name="runtime", lora_path=str(staged))
+        stub.LoadLoraAdapter(load, metadata=operator, timeout=120)
+    assert adapter_texts(replica, "runtime") == [start_text, start_text]
+    with grpc.insecure_channel(second) as channel:
+        stub = completions_pb2_grpc.CompletionServiceStub(channel)
+        unload = UnloadLoraAdapterRequest(lora_name="runtime")
+        stub.UnloadLoraAdapter(unload, metadata=operator, timeout=120)
+    assert adapter_texts(replica, "runtime") == [grpc.StatusCode.NOT_FOUND] * FRONTENDS
+    shutil.copytree(staged, root / "dropped")
+    assert adapter_texts(replica, "dropped") == [start_text, start_text]
 
 
 def test_the_engine_cores_way_to_each_frontend_stays_open_while_it_serves(

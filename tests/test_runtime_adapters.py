@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -30,6 +31,7 @@ from tests.helpers import CAPITAL_PROMPT, grpc_complete
 from tests.metrics import scrape
 from tests.models import build_adapter
 from tests.processes import TestStack
+from tests.test_readme_calls import FENCE, README, commands
 from tests.test_vllm_parity import assert_logprobs_close
 
 OPERATOR = {"Authorization": f"Bearer {OPERATOR_KEY}"}
@@ -362,3 +364,29 @@ def test_only_the_operator_key_may_load_or_unload(
     assert rest.post("/v2/load_lora_adapter", json=body, headers=wrong).status_code == 401
     assert rest.post("/v2/unload_lora_adapter", json=body, headers=wrong).status_code == 401
     assert "rt-auth" not in listed(rest)
+
+
+def test_the_readme_adapter_calls_work_as_written(
+    root: Path, sources: dict[str, Path], lora_stack: TestStack, tmp_path: Path
+) -> None:
+    """The README's "LoRA adapters" calls, with only the stack's root, port and key put in."""
+    section = README.split("\n## LoRA adapters\n", 1)[1].split("\n## ", 1)[0]
+    serve, calls = [text for _, text in FENCE.findall(section)]
+    assert serve.startswith("ADAPTER_ROOT=/srv/adapters ENABLE_ADAPTER_LOADING=1")
+    shutil.copytree(sources["a1"], tmp_path / "my-adapter")
+    script = (
+        calls.replace("/srv/adapters", str(root))
+        .replace("http://127.0.0.1:8080", lora_stack.base_url)
+        .replace("change-me", OPERATOR_KEY)
+    )
+    outputs = [
+        subprocess.run(
+            ["bash", "-c", command], capture_output=True, text=True, timeout=120, cwd=tmp_path
+        ).stdout
+        for command in commands(script)
+    ]
+    _, completed, loaded_reply, unloaded_reply = outputs
+    assert json.loads(completed)["model"] == "my-adapter"
+    assert json.loads(loaded_reply)["object"] == "lora_adapter.loaded"
+    assert json.loads(unloaded_reply)["object"] == "lora_adapter.unloaded"
+    shutil.rmtree(root / "my-adapter")

@@ -55,8 +55,11 @@ def snapshot(source: Path, snapshots: Path, name: str) -> tuple[Path, str]:
         shutil.copytree(source, copy, symlinks=False)
         content = digest(copy)
         target = snapshots / f"{safe_name(name)}-{content[:16]}"
-        if not target.exists():
+        try:
             copy.rename(target)
+        except OSError:
+            if not target.is_dir():  # else another process made the same copy first
+                raise
         return target, content
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -99,13 +99,18 @@ class AdapterRegistry:
         catalog: ModelCatalog,
         settings: EngineSettings,
         model_dir: Path,
-        scratch: Path,
+        snapshots: Path,
+        shared_snapshots: bool = False,
     ) -> None:
         self.engine = engine
         self.catalog = catalog
         self.settings = settings
         self.model_dir = model_dir
-        self.snapshots = scratch / "adapters"
+        # Where the copies the engine reads go; shared by a replica's frontends (the same
+        # files then have the same path, and so the same prefix-cache blocks, in all of them),
+        # in which case one frontend never removes a copy another may still use.
+        self.snapshots = snapshots
+        self.shared_snapshots = shared_snapshots
         self.root = settings.adapter_root.resolve() if settings.adapter_root else None
         self.active: dict[str, AdapterVersion] = {
             name: AdapterVersion(name, request, START, Path(request.lora_path))
@@ -303,9 +308,9 @@ class AdapterRegistry:
         """New calls for `name` are refused now; returns once its running calls ended (past
         `drain_seconds`, ended with an error) and the engine's copy is gone."""
         version = self.active.get(name)
-        if version is None:
+        if version is None and not self.in_root(name):
             raise AdapterNotFoundError(f"adapter {quote(name)} is not loaded")
-        if version.origin == ROOT:
+        if version is None or version.origin == ROOT:
             raise AdapterFromRootError(
                 f"adapter {quote(name)} is served from the adapter root: remove its directory "
                 "there to retire it"
@@ -394,6 +399,8 @@ class AdapterRegistry:
         )
 
     def remove_snapshot(self, version: AdapterVersion) -> None:
+        if self.shared_snapshots:
+            return  # removed with the replica's scratch directory
         if version.snapshot is not None and not self.shares_files(version):
             shutil.rmtree(version.snapshot, ignore_errors=True)
 

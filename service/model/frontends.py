@@ -38,6 +38,7 @@ class FrontendLink:
     index: int
     count: int
     client_addresses: dict[str, Any] = field(default_factory=dict)
+    adapter_snapshots: str = ""  # where runtime adapters' copies go, shared by every frontend
 
     def client_arguments(self) -> dict[str, Any]:
         """AsyncLLM.from_vllm_config's arguments for a client of an external engine core."""
@@ -68,7 +69,7 @@ class EngineCore:
         self.scratch.cleanup()
 
 
-def links(count: int, listeners: Any, counters: Any) -> list[FrontendLink]:
+def links(count: int, listeners: Any, counters: Any, snapshots: Path) -> list[FrontendLink]:
     return [
         FrontendLink(
             index,
@@ -80,6 +81,7 @@ def links(count: int, listeners: Any, counters: Any) -> list[FrontendLink]:
                 "output_listener": outputs.socket,
                 "mp_admission_counters": counters,
             },
+            str(snapshots),
         )
         for index, (inputs, outputs) in enumerate(
             zip(listeners.inputs, listeners.outputs, strict=True)
@@ -108,7 +110,8 @@ def launch_engine_core(
     with launch_core_engines(
         config, Executor.get_class(config), not args.disable_log_stats, listeners.addresses
     ) as launch:
-        frontends = start_frontends(links(count, listeners, counters))
+        snapshots = Path(scratch.name) / "adapters"
+        frontends = start_frontends(links(count, listeners, counters, snapshots))
         for listener in (*listeners.inputs, *listeners.outputs):
             listener.close()  # the frontends hold them now
         launch.watched_frontend_processes = frontends

@@ -11,7 +11,7 @@ from service.api.backlog import ReplicaTally
 from service.model.frontends import FrontendLink
 from service.settings import EngineSettings, ServerSettings
 from service.transport.logs import configure_logging
-from service.transport.sibling_cancel import SiblingCancels
+from service.transport.siblings import Siblings
 
 
 @dataclass(frozen=True)
@@ -22,8 +22,8 @@ class FrontendRole:
     sibling_sockets: tuple[str, ...]
     tally_counters: Any  # the shared memory of service.api.backlog.ReplicaTally
 
-    def siblings(self) -> SiblingCancels:
-        return SiblingCancels(self.sibling_sockets)
+    def siblings(self) -> Siblings:
+        return Siblings(self.sibling_sockets)
 
     def tally(self) -> ReplicaTally:
         return ReplicaTally(self.tally_counters, self.link.count, self.link.index)

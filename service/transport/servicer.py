@@ -39,12 +39,24 @@ from service.api.completions import CompletionHandler
 from service.api.errors import (
     CancelForbiddenError,
     CancelTargetNotFoundError,
+    CompletionError,
     EngineUnavailableError,
 )
 from service.api.model_listing import ModelListing
 from service.api.tokenization import Tokenization
 from service.transport.request_context import current_record
-from service.transport.sibling_cancel import SiblingCancels, is_forwarded
+from service.transport.siblings import Siblings, is_forwarded
+
+# How long a sibling frontend may take to load an adapter (read, copy, check, load).
+LOAD_SECONDS = 120.0
+
+
+class SiblingRefusedError(CompletionError):
+    """Another frontend of this replica refused a call this one did."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self.grpc_code = code
+        super().__init__(f"another frontend of this replica refused it: {details}")
 
 
 @dataclass(frozen=True)
@@ -61,7 +73,7 @@ class Serving:
 
 class CompletionServicer(completions_pb2_grpc.CompletionServiceServicer):
     def __init__(
-        self, serving: Callable[[], Serving | None], siblings: SiblingCancels | None = None
+        self, serving: Callable[[], Serving | None], siblings: Siblings | None = None
     ) -> None:
         self._serving = serving  # None until the engine is ready
         self.siblings = siblings  # the replica's other frontends, if it has several
@@ -145,12 +157,32 @@ class CompletionServicer(completions_pb2_grpc.CompletionServiceServicer):
     async def LoadLoraAdapter(
         self, request: LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
     ) -> LoraAdapterResponse:
-        return await self.serving().adapters.load(request)
+        admin = self.serving().adapters
+        reply = await admin.load(request)
+        await self.in_siblings("LoadLoraAdapter", request, context, LOAD_SECONDS)
+        return reply
 
     async def UnloadLoraAdapter(
         self, request: UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
     ) -> LoraAdapterResponse:
-        return await self.serving().adapters.unload(request)
+        admin = self.serving().adapters
+        reply = await admin.unload(request)
+        await self.in_siblings(
+            "UnloadLoraAdapter", request, context, admin.drain_seconds + LOAD_SECONDS
+        )
+        return reply
+
+    async def in_siblings(
+        self, method: str, request: Message, context: grpc.aio.ServicerContext, timeout: float
+    ) -> None:
+        """The same call on the replica's other frontends (each holds its own adapter table);
+        the first refusal, if one refused."""
+        metadata = tuple(context.invocation_metadata() or ())
+        if self.siblings is None or is_forwarded(metadata):
+            return
+        refused = await self.siblings.each(method, request, metadata, timeout)
+        if refused:
+            raise SiblingRefusedError(refused[0].code(), refused[0].details() or "")
 
     def serving(self) -> Serving:
         serving = self._serving()

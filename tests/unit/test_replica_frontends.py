@@ -24,7 +24,7 @@ from service.settings import ServerSettings
 from service.transport.logs import FrontendField, PlainFormatter
 from service.transport.replica import check_ports_free
 from service.transport.servicer import CompletionServicer
-from service.transport.sibling_cancel import FORWARDED_HEADER, is_forwarded
+from service.transport.siblings import FORWARDED_HEADER, is_forwarded
 from tests.unit.test_capacity import CAPACITY, Engine
 
 FRONTENDS = 2
