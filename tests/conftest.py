@@ -268,7 +268,7 @@ def start_lora(adapter_dirs: dict[str, Path], logs: Path) -> Engine:
             *lora_flags(adapter_dirs),
             *("--max-loras", "2"),
             *("--adapter-root", str(root), "--enable-adapter-loading"),
-            *("--operator-api-key", OPERATOR_KEY, "--adapter-drain-seconds", "20"),
+            *("--operator-api-key", OPERATOR_KEY, "--adapter-drain-seconds", "120"),
             *LORA_RUNTIME_ARGS,
         ],
         logs / "lora-service.log",
