@@ -152,6 +152,15 @@ def test_a_runtime_loaded_adapter_equals_the_same_adapter_given_at_start(
     assert runtime["choices"][0]["text"] == start["choices"][0]["text"]
     assert_logprobs_close(runtime["choices"][0]["logprobs"], start["choices"][0]["logprobs"])
     assert runtime["choices"][0]["text"] != text(rest, LORA_MODEL, max_tokens=24)
+    assert chat_text(rest, "rt-a1") == chat_text(rest, "a1") != chat_text(rest, LORA_MODEL)
+
+
+def chat_text(rest: httpx.Client, model: str) -> str:
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    payload = {"model": model, "messages": messages, "temperature": 0, "max_tokens": 16}
+    response = rest.post("/v2/chat/completions", json=payload)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["message"]["content"]
 
 
 def test_load_and_unload_over_grpc(
