@@ -40,6 +40,7 @@ from facade.envoy_config import (
     FACADE_DIR,
     PICKER_CLUSTER,
     TRANSCODER,
+    connection_manager,
     grpc_cluster,
     http2_options,
     http_filters,
@@ -56,6 +57,7 @@ from facade.picker.protocol import (
     SERVED_KEY,
     SUBSET_NAMESPACE,
 )
+from plumbing.headers import FANOUT_CONTINUE, FANOUT_HEADER
 
 ROUTING_LUA_FILE = FACADE_DIR / "routing.lua"
 SERVED_LUA_FILE = FACADE_DIR / "served_endpoint.lua"
@@ -293,10 +295,52 @@ def cancel_route(route: dict[str, Any], cluster: str, attempts: int) -> dict[str
     return cancel
 
 
+# A load or unload of an adapter is tried on each replica of the pool in turn: each answers
+# with FANOUT_HEADER "continue", and Envoy retries on a replica not yet tried (choosing among
+# those left up to FANOUT_HOST_SELECTION_ATTEMPTS times, enough for a pool of dozens), until a
+# replica asked again answers without it, with the count of replicas that did it.
+FANOUT_PATHS = tuple(
+    f"/{SERVICE.full_name}/{method}" for method in ("LoadLoraAdapter", "UnloadLoraAdapter")
+)
+FANOUT_HOST_SELECTION_ATTEMPTS = 100
+
+
+def fanout_route(route: dict[str, Any], cluster: str, path: str, replicas: int) -> dict[str, Any]:
+    """The route's calls on `path`: to every replica of `cluster` in turn."""
+    fanout = copy.deepcopy(route)
+    fanout["match"].pop("prefix", None)
+    fanout["match"]["path"] = path
+    fanout["route"]["cluster"] = cluster
+    fanout["route"].pop("hash_policy", None)
+    fanout["route"]["retry_policy"] = {
+        "retry_on": "retriable-headers",
+        "retriable_headers": [{"name": FANOUT_HEADER, "string_match": {"exact": FANOUT_CONTINUE}}],
+        "num_retries": replicas,  # one more than the replicas: the last finds one asked
+        "retry_back_off": {"base_interval": "0.001s", "max_interval": "0.01s"},
+        "retry_host_predicate": [
+            {
+                "name": "envoy.retry_host_predicates.previous_hosts",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts."
+                    "v3.PreviousHostsPredicate"
+                },
+            }
+        ],
+        "host_selection_retry_max_attempts": FANOUT_HOST_SELECTION_ATTEMPTS,
+    }
+    fanout["request_headers_to_add"] = [
+        {
+            "header": {"key": FANOUT_HEADER, "value": "1"},
+            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+        }
+    ]
+    return fanout
+
+
 def add_cancel_routes(config: dict[str, Any], picked: bool) -> None:
     """Each route to replicas is preceded by one for cancels, to the same replicas: through
     the picker's twin when `picked` (the picker knows which replica holds the request), else
-    the cluster itself."""
+    the cluster itself; and by those of adapter loads and unloads, to each of its replicas."""
     clusters = {cluster["name"]: cluster for cluster in config["static_resources"]["clusters"]}
     all_routes = routes(config)
     with_cancels = []
@@ -306,8 +350,13 @@ def add_cancel_routes(config: dict[str, Any], picked: bool) -> None:
             target = twin_name(name) if picked and twin_name(name) in clusters else name
             attempts = cancel_attempts(clusters[name])
             with_cancels.append(cancel_route(route, target, attempts))
+            with_cancels += [fanout_route(route, name, path, attempts) for path in FANOUT_PATHS]
         with_cancels.append(route)
     all_routes[:] = with_cancels
+    # Each fan-out attempt tells the replica its number (the count it reports).
+    connection_manager(config)["route_config"]["virtual_hosts"][0][
+        "include_request_attempt_count"
+    ] = True
 
 
 def add_prefix_affinity(config: dict[str, Any], affinity: PrefixAffinity) -> None:

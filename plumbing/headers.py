@@ -6,3 +6,9 @@ MAX_REPLY_HEADER = "x-max-reply-bytes"
 # Every pool's models (a ListModelsResponse, binary metadata: Envoy sends it base64-encoded,
 # a replica receives the bytes), passed with the calls that no single pool owns.
 ENDPOINT_MODELS_HEADER = "x-endpoint-models-bin"
+# A load or unload of an adapter goes to every replica of a pool: Envoy marks each attempt with
+# this header and tries the next replica while the last one answers with it set to
+# FANOUT_CONTINUE (its x-envoy-attempt-count says how many were tried).
+FANOUT_HEADER = "x-llm-completions-fanout"
+FANOUT_CONTINUE = "continue"
+ATTEMPT_COUNT_HEADER = "x-envoy-attempt-count"

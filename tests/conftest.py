@@ -82,7 +82,9 @@ SMALL_QUEUED_TOKENS = 2000
 # last user. Within a group, those that stop or kill a shared process come last.
 LATE_MODULES = (
     "test_adapters.py",  # the adapter stack and vLLM's with adapters
+    "test_runtime_adapters.py",  # the adapter stack (it puts away every adapter it adds)
     "test_pools.py",  # the default stack and the adapter stack as two pools
+    "test_fleet_adapters.py",  # the fleet
     "test_tracing.py",  # the fleet (its last test stops the fleet's span receiver)
     "test_prefix_routing.py",  # the fleet (its last test kills a replica)
     "test_engine_death.py",  # the fleet's other replica: its engine is killed
@@ -149,6 +151,7 @@ class FleetReplicas:
 
     replicas: list[TestStack]
     receiver: OtlpReceiver
+    adapter_root: Path  # the adapter root both replicas serve
 
     def wait_ready(self) -> None:
         for replica in self.replicas:
@@ -294,6 +297,8 @@ def start_vllm_lora(model_dir: Path, adapter_dirs: dict[str, Path]) -> Engine:
 
 def start_fleet(logs: Path) -> Engine:
     receiver = OtlpReceiver()
+    adapter_root = logs / "fleet-adapters"  # one root both replicas follow, as a shared volume
+    adapter_root.mkdir()
     replicas = [
         TestStack(
             grpc_port=free_port(),
@@ -304,6 +309,8 @@ def start_fleet(logs: Path) -> Engine:
                 *("--cpu-cores", str(core)),
                 *("--metrics-port", str(free_port())),
                 *("--otlp-traces-endpoint", receiver.endpoint),
+                *("--adapter-root", str(adapter_root), "--enable-adapter-loading"),
+                *("--operator-api-key", OPERATOR_KEY),
             ],
             env=TRACE_BATCH_ENV,
             service_log=logs / f"fleet-replica-{core}.log",
@@ -313,7 +320,7 @@ def start_fleet(logs: Path) -> Engine:
     ]
     for replica in replicas:
         replica.start(with_envoy=False)
-    return FleetReplicas(replicas, receiver)
+    return FleetReplicas(replicas, receiver, adapter_root)
 
 
 def start_small(model_dir: Path, logs: Path) -> Engine:

@@ -31,6 +31,7 @@ FLEET_MODULES = (
     "test_deploy.py",
     "test_engine_death.py",
     "test_engine_lifetime.py",
+    "test_fleet_adapters.py",
     "test_frontends.py",
     "test_generated_code.py",
     "test_gpu_pins.py",

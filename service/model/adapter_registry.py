@@ -274,6 +274,8 @@ class AdapterRegistry:
         """Load the adapter at `path` (inside the root) as `name`; with `replace`, as the new
         version of an adapter loaded by call under that name."""
         current = self.active.get(name)
+        if current is not None and self.same_load(current, path):
+            return current  # loaded already (a retried call, or every replica asked again)
         replacing = replace and current is not None and current.origin == CALL
         if name == self.catalog.base or (current is not None and not replacing):
             raise AdapterNameTakenError(
@@ -303,6 +305,13 @@ class AdapterRegistry:
         self.active[name] = version
         logger.info("adapter loaded by call: %s (%s)", name, source)
         return version
+
+    def same_load(self, version: AdapterVersion, path: str) -> bool:
+        """Whether `version` was loaded by call from `path` and its files are unchanged."""
+        if version.origin != CALL or not Path(path).is_absolute():
+            return False
+        source = Path(path).resolve()
+        return source == version.source and adapter_files.signature(source) == version.signature
 
     async def unload(self, name: str, drain_seconds: float) -> None:
         """New calls for `name` are refused now; returns once its running calls ended (past

@@ -107,7 +107,7 @@ class RequestContextInterceptor(StreamInterceptor):
         return RequestRecord(
             request_id=request_id(context),
             method=method,
-            model=getattr(request, "model", ""),
+            model=getattr(request, "model", "") or getattr(request, "lora_name", ""),
             user=getattr(request, "user", ""),
             stream=getattr(request, "stream", False),
             prompts=logged_prompts(request) if self._log_prompts else None,

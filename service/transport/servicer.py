@@ -4,7 +4,8 @@ the REST framing) is done by the interceptor chain (`service.transport.intercept
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,7 @@ from llmcompletions.v2.completions_pb2 import (
     UnloadLoraAdapterRequest,
 )
 
+from plumbing.headers import ATTEMPT_COUNT_HEADER, FANOUT_CONTINUE, FANOUT_HEADER
 from service.api import endpoint_models
 from service.api.adapter_admin import AdapterAdmin
 from service.api.cancellation import Cancellations
@@ -49,6 +51,30 @@ from service.transport.siblings import Siblings, is_forwarded
 
 # How long a sibling frontend may take to load an adapter (read, copy, check, load).
 LOAD_SECONDS = 120.0
+
+
+class FanOuts:
+    """The adapter calls done here (whoever asked, a sibling included) and those Envoy's
+    fan-out brought here, by request id and method; the latest few thousand."""
+
+    def __init__(self, size: int = 4096) -> None:
+        self.done: BoundedDict = BoundedDict(size)
+        self.asked: BoundedDict = BoundedDict(size)
+
+
+class BoundedDict(OrderedDict[tuple[str, str], LoraAdapterResponse]):
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size = size
+
+    def __setitem__(self, key: tuple[str, str], value: LoraAdapterResponse) -> None:
+        super().__setitem__(key, value)
+        while len(self) > self.size:
+            self.popitem(last=False)
+
+
+def header(metadata: tuple[tuple[str, str | bytes], ...], name: str) -> str | None:
+    return next((str(value) for key, value in metadata if key == name), None)
 
 
 class SiblingRefusedError(CompletionError):
@@ -77,6 +103,7 @@ class CompletionServicer(completions_pb2_grpc.CompletionServiceServicer):
     ) -> None:
         self._serving = serving  # None until the engine is ready
         self.siblings = siblings  # the replica's other frontends, if it has several
+        self.fanouts = FanOuts()
 
     async def CreateCompletion(
         self, request: CreateCompletionRequest, context: grpc.aio.ServicerContext
@@ -157,20 +184,51 @@ class CompletionServicer(completions_pb2_grpc.CompletionServiceServicer):
     async def LoadLoraAdapter(
         self, request: LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
     ) -> LoraAdapterResponse:
-        admin = self.serving().adapters
-        reply = await admin.load(request)
-        await self.in_siblings("LoadLoraAdapter", request, context, LOAD_SECONDS)
-        return reply
+        return await self.adapter_call(
+            "LoadLoraAdapter", request, context, lambda admin: admin.load(request), 0.0
+        )
 
     async def UnloadLoraAdapter(
         self, request: UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
     ) -> LoraAdapterResponse:
-        admin = self.serving().adapters
-        reply = await admin.unload(request)
-        await self.in_siblings(
-            "UnloadLoraAdapter", request, context, admin.drain_seconds + LOAD_SECONDS
+        return await self.adapter_call(
+            "UnloadLoraAdapter",
+            request,
+            context,
+            lambda admin: admin.unload(request),
+            self.serving().adapters.drain_seconds,
         )
-        return reply
+
+    async def adapter_call(
+        self,
+        method: str,
+        request: Message,
+        context: grpc.aio.ServicerContext,
+        act: Callable[[AdapterAdmin], Awaitable[LoraAdapterResponse]],
+        drain_seconds: float,
+    ) -> LoraAdapterResponse:
+        """A load or unload here, then in the sibling frontends; through Envoy's fan-out
+        (FANOUT_HEADER), the reply counts the replicas tried so far and asks for the next."""
+        metadata = tuple(context.invocation_metadata() or ())
+        call_id = (current_record().request_id, method)
+        fanout = header(metadata, FANOUT_HEADER) is not None
+        attempt = int(header(metadata, ATTEMPT_COUNT_HEADER) or 1)
+        if fanout and call_id in self.fanouts.asked:  # Envoy came back: all were tried
+            return LoraAdapterResponse(
+                lora_name=self.fanouts.asked[call_id].lora_name,
+                object=self.fanouts.asked[call_id].object,
+                replicas=attempt - 1,
+            )
+        reply = self.fanouts.done.get(call_id) if fanout else None
+        if reply is None:  # not done yet here (a sibling may have done it for this replica)
+            reply = await act(self.serving().adapters)
+            self.fanouts.done[call_id] = reply
+            await self.in_siblings(method, request, context, LOAD_SECONDS + drain_seconds)
+        if not fanout:
+            return reply
+        self.fanouts.asked[call_id] = reply
+        current_record().reply_headers += ((FANOUT_HEADER, FANOUT_CONTINUE),)
+        return LoraAdapterResponse(lora_name=reply.lora_name, object=reply.object, replicas=attempt)
 
     async def in_siblings(
         self, method: str, request: Message, context: grpc.aio.ServicerContext, timeout: float

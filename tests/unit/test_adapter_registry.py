@@ -209,11 +209,14 @@ def test_names_taken_and_root_adapters_are_refused_as_such(
     write_adapter(root / "from-root", model)
     staged = str(write_adapter(root / ".staging" / "a", model))
 
+    other = str(write_adapter(root / ".staging" / "other", model, seed=2.0))
+
     async def scenario() -> None:
-        await served.load("a", staged)
+        first = await served.load("a", staged)
+        assert await served.load("a", staged) is first  # the same load again: done already
         for name in (BASE, "a", "from-root"):
             with pytest.raises(AdapterNameTakenError):
-                await served.load(name, staged)
+                await served.load(name, other)
         with pytest.raises(AdapterFromRootError):
             await served.unload("from-root", 1)
         with pytest.raises(AdapterNotFoundError):

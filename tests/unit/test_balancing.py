@@ -139,6 +139,29 @@ def test_cancels_ask_the_holder_first_then_every_other_replica() -> None:
         assert "retriable-headers" in retries["retry_on"].split(",")
 
 
+@pytest.mark.parametrize("affinity", [AFFINITY, None])
+def test_adapter_loads_and_unloads_go_to_each_replica_in_turn(
+    affinity: PrefixAffinity | None,
+) -> None:
+    three = [("127.0.0.1", 1), ("127.0.0.1", 2), ("127.0.0.1", 3)]
+    config = render.render_config(8080, 9901, three)
+    render.configure_routing(config, [], "", affinity, SOCKET)
+    for method in ("LoadLoraAdapter", "UnloadLoraAdapter"):
+        path = f"/llmcompletions.v2.CompletionService/{method}"
+        (fanout,) = [r for r in envoy_config.routes(config) if r["match"].get("path") == path]
+        assert fanout["route"]["cluster"] == "completion_service"  # never the picker's twin
+        retries = fanout["route"]["retry_policy"]
+        assert retries["num_retries"] == 3  # each replica, then one asked again: "all done"
+        assert retries["retriable_headers"] == [
+            {"name": "x-llm-completions-fanout", "string_match": {"exact": "continue"}}
+        ]
+        (predicate,) = retries["retry_host_predicate"]
+        assert predicate["name"] == "envoy.retry_host_predicates.previous_hosts"
+        assert fanout["request_headers_to_add"][0]["header"]["key"] == "x-llm-completions-fanout"
+    (host,) = envoy_config.connection_manager(config)["route_config"]["virtual_hosts"]
+    assert host["include_request_attempt_count"] is True
+
+
 @pytest.mark.parametrize(
     ("address", "kind"),
     [(("127.0.0.1", 50061), "STATIC"), (("llm-completions-picker", 50061), "STRICT_DNS")],

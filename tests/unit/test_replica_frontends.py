@@ -9,19 +9,28 @@ import logging
 import multiprocessing
 import socket
 from collections.abc import Sequence
+from types import SimpleNamespace
 
 import grpc
 import pytest
-from llmcompletions.v2.completions_pb2 import CancelCompletionRequest, CancelCompletionResponse
+from llmcompletions.v2.completions_pb2 import (
+    CancelCompletionRequest,
+    CancelCompletionResponse,
+    LoadLoraAdapterRequest,
+    LoraAdapterResponse,
+)
 from vllm.v1.engine.admission_control import SharedAdmissionStats
 
 from facade.stack import Stack
+from plumbing.headers import ATTEMPT_COUNT_HEADER, FANOUT_CONTINUE, FANOUT_HEADER
 from plumbing.ports import frontend_ports
 from service.api.backlog import Backlog, ReplicaTally
 from service.api.errors import CancelForbiddenError, CancelTargetNotFoundError, OverloadedError
 from service.options import frontend_ports_problem
 from service.settings import ServerSettings
+from service.transport import request_context
 from service.transport.logs import FrontendField, PlainFormatter
+from service.transport.observability import RequestRecord
 from service.transport.replica import check_ports_free
 from service.transport.servicer import CompletionServicer
 from service.transport.siblings import FORWARDED_HEADER, is_forwarded
@@ -183,3 +192,61 @@ def test_envoy_balances_over_each_frontends_port(monkeypatch: pytest.MonkeyPatch
     assert several.upstream_targets == ["127.0.0.1:50052", "127.0.0.1:50053"]
     given = Stack(grpc_port=50051, env={"API_SERVER_COUNT": "2", "FRONTEND_PORTS": "7001,7002"})
     assert given.upstream_replica == "127.0.0.1:7001+7002"
+
+
+class AdapterAdminStandIn:
+    """Counts the loads it does."""
+
+    drain_seconds = 1.0
+
+    def __init__(self) -> None:
+        self.loads = 0
+
+    async def load(self, request: LoadLoraAdapterRequest) -> LoraAdapterResponse:
+        self.loads += 1
+        return LoraAdapterResponse(lora_name=request.lora_name, object="lora_adapter.loaded")
+
+
+class Context:
+    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.metadata = metadata
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self.metadata
+
+
+def fanout_attempt(
+    servicer: CompletionServicer, attempt: int, fanout: bool = True
+) -> tuple[LoraAdapterResponse, tuple[tuple[str, str], ...]]:
+    """One of Envoy's attempts of the load with request id r1: the reply and its headers."""
+    record = RequestRecord("r1", "LoadLoraAdapter", "sql", "", stream=False)
+    token = request_context._current.set(record)
+    marks = ((FANOUT_HEADER, "1"), (ATTEMPT_COUNT_HEADER, str(attempt))) if fanout else ()
+    try:
+        reply = asyncio.run(
+            servicer.LoadLoraAdapter(
+                LoadLoraAdapterRequest(lora_name="sql", lora_path="/root/sql"),
+                Context(marks),  # type: ignore[arg-type]
+            )
+        )
+    finally:
+        request_context._current.reset(token)
+    return reply, record.reply_headers
+
+
+def test_envoys_fanout_counts_each_replica_and_ends_at_one_asked_again() -> None:
+    """Two replicas: attempt 1 on the first, 2 on the second, 3 on the first again."""
+    admins = [AdapterAdminStandIn(), AdapterAdminStandIn()]
+    servicers = [
+        CompletionServicer(lambda admin=admin: SimpleNamespace(adapters=admin))  # type: ignore[misc]
+        for admin in admins
+    ]
+    first, headers = fanout_attempt(servicers[0], 1)
+    assert first.replicas == 1 and (FANOUT_HEADER, FANOUT_CONTINUE) in headers
+    second, headers = fanout_attempt(servicers[1], 2)
+    assert second.replicas == 2 and (FANOUT_HEADER, FANOUT_CONTINUE) in headers
+    last, headers = fanout_attempt(servicers[0], 3)
+    assert (last.replicas, last.object, headers) == (2, "lora_adapter.loaded", ())
+    assert [admin.loads for admin in admins] == [1, 1]  # each did it once
+    direct, headers = fanout_attempt(servicers[1], 1, fanout=False)
+    assert (direct.replicas, headers) == (0, ())  # not through Envoy: no count, no "next"

@@ -1,0 +1,113 @@
+"""Adapters across the session's fleet of two real replicas behind a real Envoy: a load or
+unload through Envoy reaches both replicas and says so, an adapter dropped into the root both
+follow is served by each, and an unload under traffic answers no call with a 5xx. (One
+replica's runtime adapters in depth: tests/test_runtime_adapters.py.)"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from llmcompletions.v2 import completions_pb2_grpc
+
+from tests.conftest import MODEL, OPERATOR_KEY, FleetReplicas
+from tests.helpers import CAPITAL_PROMPT, grpc_request
+from tests.test_prefix_routing import Fleet, facade
+
+OPERATOR = {"Authorization": f"Bearer {OPERATOR_KEY}"}
+
+
+@pytest.fixture(scope="module")
+def fleet(fleet_replicas: FleetReplicas) -> Iterator[Fleet]:
+    with facade(fleet_replicas.replicas) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def staged(fleet_replicas: FleetReplicas, adapter_dirs: dict[str, Path]) -> Iterator[Path]:
+    """a1's files, inside the fleet's adapter root but hidden from it; the root emptied after."""
+    root = fleet_replicas.adapter_root
+    yield shutil.copytree(adapter_dirs["a1"], root / ".staging" / "a1")
+    for entry in root.iterdir():
+        shutil.rmtree(entry)
+
+
+def replica_texts(fleet: Fleet, model: str) -> list[str | grpc.StatusCode]:
+    """Each replica's own greedy text for `model` (not through Envoy), or its refusal."""
+    texts: list[str | grpc.StatusCode] = []
+    for replica in fleet.replicas:
+        with grpc.insecure_channel(replica.grpc_target) as channel:
+            stub = completions_pb2_grpc.CompletionServiceStub(channel)
+            request = grpc_request(model=model, prompt=CAPITAL_PROMPT, max_tokens=12)
+            try:
+                (reply,) = stub.CreateCompletion(request, timeout=60)
+                texts.append(reply.choices[0].text)
+            except grpc.RpcError as error:
+                texts.append(error.code())
+    return texts
+
+
+def post(fleet: Fleet, path: str, **payload: str) -> httpx.Response:
+    return httpx.post(f"{fleet.base_url}{path}", json=payload, headers=OPERATOR, timeout=300)
+
+
+def test_a_load_and_an_unload_through_envoy_reach_every_replica(fleet: Fleet, staged: Path) -> None:
+    base = replica_texts(fleet, MODEL)
+    loaded = post(fleet, "/v2/load_lora_adapter", lora_name="sql", lora_path=str(staged))
+    assert loaded.status_code == 200, loaded.text
+    assert loaded.json() == {"lora_name": "sql", "object": "lora_adapter.loaded", "replicas": 2}
+    texts = replica_texts(fleet, "sql")
+    assert texts[0] == texts[1] and texts[0] != base[0]
+    unloaded = post(fleet, "/v2/unload_lora_adapter", lora_name="sql")
+    assert unloaded.status_code == 200, unloaded.text
+    assert unloaded.json()["replicas"] == 2
+    assert replica_texts(fleet, "sql") == [grpc.StatusCode.NOT_FOUND] * 2
+
+
+def test_an_adapter_dropped_into_the_shared_root_is_served_by_every_replica(
+    fleet: Fleet, fleet_replicas: FleetReplicas, staged: Path
+) -> None:
+    shutil.copytree(staged, fleet_replicas.adapter_root / "dropped")
+    texts = replica_texts(fleet, "dropped")
+    assert all(isinstance(text, str) for text in texts) and texts[0] == texts[1]
+
+
+def wait_until(condition: Callable[[], bool], seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "the traffic never got that far"
+        time.sleep(0.1)
+
+
+def test_an_unload_under_traffic_answers_no_call_with_a_5xx(fleet: Fleet, staged: Path) -> None:
+    assert post(fleet, "/v2/load_lora_adapter", lora_name="busy", lora_path=str(staged)).is_success
+    statuses: list[int] = []
+    stop = threading.Event()
+
+    def traffic() -> None:
+        with httpx.Client(base_url=fleet.base_url, timeout=120) as client:
+            while not stop.is_set():
+                payload = {"model": "busy", "prompt": CAPITAL_PROMPT, "max_tokens": 16}
+                statuses.append(client.post("/v2/completions", json=payload).status_code)
+
+    senders = [threading.Thread(target=traffic) for _ in range(4)]
+    for sender in senders:
+        sender.start()
+    try:
+        wait_until(lambda: statuses.count(200) >= 8)  # traffic on the adapter before it goes
+        unloaded = post(fleet, "/v2/unload_lora_adapter", lora_name="busy")
+        assert unloaded.status_code == 200 and unloaded.json()["replicas"] == 2
+        count = len(statuses)
+        wait_until(lambda: len(statuses) >= count + 8)  # and after
+    finally:
+        stop.set()
+        for sender in senders:
+            sender.join(120)
+    assert set(statuses) <= {200, 404}, statuses
+    assert statuses[-1] == 404
