@@ -295,6 +295,10 @@ def cancel_route(route: dict[str, Any], cluster: str, attempts: int) -> dict[str
     return cancel
 
 
+# The request's model, as routing.lua sets it (pools route on it; the picker sends an adapter's
+# prompts where the adapter is resident).
+MODEL_HEADER = "x-model"
+
 # A load or unload of an adapter is tried on each replica of the pool in turn: each answers
 # with FANOUT_HEADER "continue", and Envoy retries on a replica not yet tried (choosing among
 # those left up to FANOUT_HOST_SELECTION_ATTEMPTS times, enough for a pool of dozens), until a
@@ -429,7 +433,7 @@ def picker_filter() -> dict[str, Any]:
     }
     # The picker needs these alone: callers' credentials and the rest of their headers stay
     # in Envoy, even when the picker is across the network.
-    forwarded = [PATH_HEADER, CANCEL_HEADER, REQUEST_ID_HEADER, LOAD_REPORT_TRAILER]
+    forwarded = [PATH_HEADER, CANCEL_HEADER, REQUEST_ID_HEADER, LOAD_REPORT_TRAILER, MODEL_HEADER]
     return {
         "name": PICKER_FILTER,
         "typed_config": {

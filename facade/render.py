@@ -14,6 +14,7 @@ import yaml
 
 from facade.addresses import Address, is_ip_address
 from facade.balancing import (
+    MODEL_HEADER,
     PickerAddress,
     PrefixAffinity,
     add_cancel_routes,
@@ -59,7 +60,6 @@ DEFAULT_MAX_REPLY_BYTES = 64 * 1024 * 1024
 OPEN_FILES_RESERVED = 1024
 MIN_DOWNSTREAM_CONNECTIONS = 256
 ANY_POOL_CLUSTER = "any_pool"
-MODEL_HEADER = "x-model"
 # Operators' debugging aid, off by default: which replica served a call, and how long it took.
 DEBUG_HEADERS = [
     {"header": {"key": "x-upstream-host", "value": "%UPSTREAM_REMOTE_ADDRESS%"}},

@@ -12,3 +12,6 @@ ENDPOINT_MODELS_HEADER = "x-endpoint-models-bin"
 FANOUT_HEADER = "x-llm-completions-fanout"
 FANOUT_CONTINUE = "continue"
 ATTEMPT_COUNT_HEADER = "x-envoy-attempt-count"
+# In a replica's ORCA load report (endpoint-load-metrics-bin): a named metric (1) for each
+# adapter in its engine's memory, this prefix then the adapter's name.
+ADAPTER_METRIC_PREFIX = "adapter."

@@ -2,8 +2,8 @@
 `cluster::host::stat::value` line per fact); how many keyed requests each has in flight, as
 the picker counts them (from its pick to the end of the request); what each last reported of
 its load (the ORCA report on its replies), which counts the requests others sent it (another
-Envoy, a client on its gRPC port); and which replica holds each request id in flight, for
-cancels.
+Envoy, a client on its gRPC port), and which adapters it holds in memory; and which replica
+holds each request id in flight, for cancels.
 
 Envoy's hosts are endpoints; a replica running several frontend processes is several of them
 over one engine (facade.addresses.FrontendGroups). Load, load reports and health for routing
@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from xds.data.orca.v3.orca_load_report_pb2 import OrcaLoadReport
 
 from facade.addresses import FrontendGroups
+from plumbing.headers import ADAPTER_METRIC_PREFIX
 
 HEALTHY_FLAGS = "healthy"
 # A replica's report counts this long: one that got no reply through this picker since may
@@ -139,7 +140,20 @@ class FleetView:
         replica = self.replica_of(host)
         ours = self.ours_by_replica(cluster)[replica] - 1  # the ending request is done
         bound = round(report.named_metrics.get("max_num_queued_reqs", 0)) or None
-        self.reports[(cluster, replica)] = Reported(max(0, held - ours), held, bound)
+        adapters = frozenset(
+            name.removeprefix(ADAPTER_METRIC_PREFIX)
+            for name in report.named_metrics
+            if name.startswith(ADAPTER_METRIC_PREFIX)
+        )
+        self.reports[(cluster, replica)] = Reported(max(0, held - ours), held, bound, adapters)
+
+    def holding(self, cluster: str, model: str) -> set[str]:
+        """The replicas whose last fresh report holds `model` as an adapter in memory."""
+        return {
+            replica
+            for (known, replica), reported in self.reports.items()
+            if known == cluster and model in reported.adapters and reported.fresh()
+        }
 
     def saturated(self, cluster: str, hosts: list[str]) -> bool:
         """Whether the replica of every one of `hosts` reported, lately, holding its backlog
@@ -168,6 +182,7 @@ class Reported:
     others: int  # requests the replica held that this picker did not send it
     held: int  # all the requests it held (running or waiting)
     bound: int | None  # the backlog bound past which it refuses, if it said
+    adapters: frozenset[str] = frozenset()  # the adapters in its engine's memory
     at: float = field(default_factory=time.monotonic)
 
     def fresh(self) -> bool:

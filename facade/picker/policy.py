@@ -12,7 +12,11 @@ replica that saw the instructions first.
 A new branch gets a home: the replica that is home to the fewest branches, so that the
 prefixes the replicas' caches must hold are dealt out evenly (hashing them would leave one
 replica with more than its share: with two replicas, two land on the same one half of the
-time). A branch's requests then go home while home stays within the load bound, as Envoy's
+time); a new branch of a LoRA adapter's prompts goes first to a replica whose engine holds the
+adapter (its load reports say which), so that an adapter lives on few replicas and spreads
+only as its load needs.
+
+A branch's requests then go home while home stays within the load bound, as Envoy's
 bounded-load hashing counts it; past the bound they spill, first to the replicas the key
 spilled to before (their caches may still hold it), else to the least loaded one, which is
 remembered for the next spill. A spill is temporary: the next request goes home again if home
@@ -28,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 
 # Keys remembered per picker (at most 25 per prompt); the least recently used are forgotten
@@ -102,10 +106,18 @@ class CacheAwarePolicy:
         self.homes: Counter[tuple[str, str]] = Counter()  # (cluster, host) -> branches at home
         self.decisions: Counter[str] = Counter()  # home, spilled, new branch: for the log
 
-    def choose(self, cluster: str, path: PromptPath, loads: Mapping[str, int]) -> list[str]:
+    def choose(
+        self,
+        cluster: str,
+        path: PromptPath,
+        loads: Mapping[str, int],
+        holding: Set[str] = frozenset(),
+    ) -> list[str]:
         """The cluster's healthy replicas (HOST:PORT -> requests in flight) in the order to try
         them: the pick first, then the others, least loaded first, for retries. None when the
-        cluster has no healthy replica (Envoy's own balancing then decides)."""
+        cluster has no healthy replica (Envoy's own balancing then decides). A new branch of an
+        adapter's prompts goes to a replica `holding` the adapter in memory while one is within
+        the bound."""
         if not loads:
             return []
         bound = load_bound(loads, self.balance_factor)
@@ -114,7 +126,7 @@ class CacheAwarePolicy:
             chosen = self.follow(holders, loads, bound)
             branch_level = None
         else:
-            chosen = self.new_branch_home(cluster, loads, bound)
+            chosen = self.new_branch_home(cluster, loads, bound, holding)
             branch_level = level + 1 if holders else 0
         for index, key in enumerate(path.keys):
             self.remember(cluster, key, chosen, branch=index == branch_level)
@@ -141,11 +153,18 @@ class CacheAwarePolicy:
         self.decisions["spilled"] += 1
         return min(loads, key=lambda host: loads[host])
 
-    def new_branch_home(self, cluster: str, loads: Mapping[str, int], bound: int) -> str:
+    def new_branch_home(
+        self, cluster: str, loads: Mapping[str, int], bound: int, holding: Set[str] = frozenset()
+    ) -> str:
         self.decisions["new branch"] += 1
         return min(
             loads,
-            key=lambda host: (loads[host] > bound, self.homes[(cluster, host)], loads[host]),
+            key=lambda host: (
+                loads[host] > bound,
+                host not in holding,
+                self.homes[(cluster, host)],
+                loads[host],
+            ),
         )
 
     def remember(self, cluster: str, key: str, host: str, branch: bool = False) -> None:

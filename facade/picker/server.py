@@ -30,7 +30,7 @@ from opentelemetry.trace import SpanKind
 from opentelemetry.util.types import AttributeValue
 
 from facade.addresses import FrontendGroups, parse_address, parse_frontend_ports
-from facade.balancing import PATH_HEADER
+from facade.balancing import MODEL_HEADER, PATH_HEADER
 from facade.options import (
     add_balance_factor_option,
     add_listener_tls_options,
@@ -195,7 +195,9 @@ class ReplicaPicker(ext_proc_grpc.ExternalProcessorServicer):
         else:
             if exchange.decision is not None:
                 exchange.note(**self.prefix_match(exchange.cluster, path, list(loads)))
-            replicas = self.policy.choose(exchange.cluster, path, loads)
+            model = header_value(headers, MODEL_HEADER)
+            holding = self.fleet.holding(exchange.cluster, model) if model else set()
+            replicas = self.policy.choose(exchange.cluster, path, loads, holding)
         endpoints = self.endpoints_in_order(exchange.cluster, replicas, frontends)
         exchange.note(
             **{

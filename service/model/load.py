@@ -23,6 +23,7 @@ class LoadSnapshot:
     kv_cache_usage: float  # the share of KV-cache blocks in use, 0..1 (the ranks' mean)
     max_num_seqs: int  # the batch the engine runs at once
     max_num_queued_reqs: int  # sequences held (running or waiting) past which it refuses
+    adapters: tuple[str, ...] = ()  # the LoRA adapters in the engine's memory
 
     @property
     def utilization(self) -> float:

@@ -8,7 +8,9 @@ that a picker or proxy in front learns each replica's load from its replies with
 
 What a report says (service.model.load): `named_metrics` num_requests_waiting,
 num_requests_running and kv_cache_usage_perc (vLLM's names, as its own header reports them),
-and max_num_queued_reqs (the backlog bound: a replica holding that many refuses more);
+and max_num_queued_reqs (the backlog bound: a replica holding that many refuses more), and
+`adapter.<name>` (1) for each LoRA adapter in the engine's memory (a picker sends an adapter's
+new prompts where it is resident);
 `utilization` kv_cache; `application_utilization` the sequences held over the engine's batch
 (1: the batch is full; above: requests wait).
 """
@@ -20,9 +22,11 @@ from collections.abc import Callable
 
 from xds.data.orca.v3.orca_load_report_pb2 import OrcaLoadReport
 
+from plumbing.headers import ADAPTER_METRIC_PREFIX
 from service.model.load import LoadSnapshot
 
 TRAILER = "endpoint-load-metrics-bin"
+
 HEADER = "endpoint-load-metrics"
 FORMAT_HEADER = "endpoint-load-metrics-format"
 FORMATS = ("text", "json")
@@ -39,6 +43,8 @@ def orca_report(load: LoadSnapshot) -> OrcaLoadReport:
     report.named_metrics["num_requests_running"] = load.running
     report.named_metrics["kv_cache_usage_perc"] = load.kv_cache_usage
     report.named_metrics["max_num_queued_reqs"] = load.max_num_queued_reqs
+    for adapter in load.adapters:
+        report.named_metrics[ADAPTER_METRIC_PREFIX + adapter] = 1
     return report
 
 

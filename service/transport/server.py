@@ -6,6 +6,7 @@ import asyncio
 import logging
 import signal
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 
 import grpc
 import uvloop
@@ -125,7 +126,10 @@ class ServiceState:
 
     def load(self) -> LoadSnapshot | None:
         """The engine's load now, for the replies' load reports."""
-        return None if self.model is None else self.model.load.snapshot(self.model.engine)
+        if self.model is None:
+            return None
+        now = self.model.load.snapshot(self.model.engine)
+        return replace(now, adapters=tuple(self.model.adapters.resident_names()))
 
 
 def interceptor_chain(settings: ServerSettings, state: ServiceState) -> list[StreamInterceptor]:

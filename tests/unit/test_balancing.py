@@ -90,6 +90,7 @@ def test_envoy_asks_the_picker_after_the_key_is_set_and_fails_open() -> None:
     allowed = {rule["exact"] for rule in picker["forward_rules"]["allowed_headers"]["patterns"]}
     assert allowed == {
         balancing.PATH_HEADER,
+        balancing.MODEL_HEADER,  # an adapter's prompts go where it is resident
         "x-cancel-request-id",
         "x-request-id",
         "endpoint-load-metrics-bin",

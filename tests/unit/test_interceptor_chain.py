@@ -36,7 +36,12 @@ METHODS = frozenset({f"/x/{METHOD}"})
 CHUNK = CreateCompletionResponse(choices=[Choice(text="hi")])
 # 3 running and 5 waiting of a batch of 4, a quarter of the KV cache in use.
 LOAD = LoadSnapshot(
-    running=3, waiting=5, kv_cache_usage=0.25, max_num_seqs=4, max_num_queued_reqs=32
+    running=3,
+    waiting=5,
+    kv_cache_usage=0.25,
+    max_num_seqs=4,
+    max_num_queued_reqs=32,
+    adapters=("sql",),
 )
 
 
@@ -190,6 +195,7 @@ def test_a_served_call_ends_with_the_load_report() -> None:
         "num_requests_waiting": 5,
         "kv_cache_usage_perc": 0.25,
         "max_num_queued_reqs": 32,
+        "adapter.sql": 1,  # in the engine's memory: a picker sends sql's new prompts here
     }
     assert report.application_utilization == 2.0  # 8 held over a batch of 4
     assert dict(report.utilization) == {"kv_cache": 0.25}

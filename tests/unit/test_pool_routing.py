@@ -71,7 +71,7 @@ def test_each_model_routes_to_its_pool_and_the_rest_to_any_pool_with_the_listing
         header["string_match"]["exact"]: route["route"]["cluster"]
         for route in grpc_routes
         for header in route["match"]["headers"]
-        if header["name"] == render.MODEL_HEADER
+        if header["name"] == balancing.MODEL_HEADER
     }
     assert by_model == {"alpha": "pool_alpha", "beta": "pool_beta", "beta-sql": "pool_beta"}
     fallback = grpc_routes[-1]

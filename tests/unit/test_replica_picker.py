@@ -487,3 +487,28 @@ def test_a_gateway_that_names_no_cluster_gets_a_pick_from_the_picker_of_one_pool
     unsure = ReplicaPicker(CacheAwarePolicy(balance_factor=125), several)
     answer = unsure.route(Exchange(""), request(**KEYED))
     assert answer.HasField("request_headers") and picked(answer) == []
+
+
+def test_an_adapters_new_prompts_go_where_it_is_resident_and_spill_past_the_bound() -> None:
+    policy = CacheAwarePolicy(balance_factor=125)
+    # Without an adapter resident anywhere, new prompts are dealt out evenly; with it on B,
+    # they all go to B while B is within the bound, even though B is home to more of them.
+    prompts = [whole(f"sql-{index}") for index in range(6)]
+    assert {policy.choose("pool", path, IDLE, {B})[0] for path in prompts} == {B}
+    assert policy.choose("pool", whole("sql-busy"), {A: 0, B: 6}, {B})[0] == A  # spilled
+    # The base model's new prompts (no adapter) even the homes out: A is home to fewer.
+    assert Counter(first_picks(policy, [f"base-{i}" for i in range(2)], IDLE)) == {A: 2}
+
+
+def test_load_reports_say_which_adapters_each_replica_holds() -> None:
+    fleet = FleetView()
+    fleet.update({"c": {A: Replica(True), B: Replica(True)}})
+    with_sql = report(1, 0)
+    with_sql.named_metrics["adapter.sql"] = 1
+    for host, sent in ((A, with_sql), (B, report(1, 0))):
+        fleet.started("c", host)
+        fleet.reported("c", host, sent)
+        fleet.ended("c", host)
+    assert fleet.holding("c", "sql") == {A}
+    assert fleet.holding("c", "chat") == set()
+    assert fleet.holding("other", "sql") == set()
