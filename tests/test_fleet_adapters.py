@@ -1,6 +1,7 @@
-"""Adapters across the session's fleet of two real replicas behind a real Envoy: a load or
-unload through Envoy reaches both replicas and says so, an adapter dropped into the root both
-follow is served by each, and an unload under traffic answers no call with a 5xx. (One
+"""Adapters across the session's fleet of two real replicas behind a real Envoy and its
+picker: a load or unload through Envoy reaches both replicas and says so, an adapter dropped
+into the root both follow is served by each, an adapter's calls go to the replica holding it
+and spill past the load bound, and an unload under traffic answers no call with a 5xx. (One
 replica's runtime adapters in depth: tests/test_runtime_adapters.py.)"""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -18,7 +20,7 @@ from llmcompletions.v2 import completions_pb2_grpc
 
 from tests.conftest import MODEL, OPERATOR_KEY, FleetReplicas
 from tests.helpers import CAPITAL_PROMPT, grpc_request
-from tests.test_prefix_routing import Fleet, facade
+from tests.test_prefix_routing import HOST_HEADER, Fleet, facade
 
 OPERATOR = {"Authorization": f"Bearer {OPERATOR_KEY}"}
 
@@ -76,6 +78,36 @@ def test_an_adapter_dropped_into_the_shared_root_is_served_by_every_replica(
     shutil.copytree(staged, fleet_replicas.adapter_root / "dropped")
     texts = replica_texts(fleet, "dropped")
     assert all(isinstance(text, str) for text in texts) and texts[0] == texts[1]
+
+
+def upstream(fleet: Fleet, model: str, prompt: str, max_tokens: int = 8) -> str:
+    """The replica Envoy sent a greedy completion to (its debug header)."""
+    payload = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    reply = httpx.post(f"{fleet.base_url}/v2/completions", json=payload, timeout=120)
+    assert reply.status_code == 200, reply.text
+    return reply.headers[HOST_HEADER]
+
+
+def test_an_adapters_calls_go_where_it_is_resident_and_spill_under_load(
+    fleet: Fleet, fleet_replicas: FleetReplicas, staged: Path
+) -> None:
+    """New prompts of the base model are dealt out over both replicas; an adapter's go to the
+    replica that loaded it while it is within the load bound, and past it to the other."""
+    hidden = shutil.copytree(staged, fleet_replicas.adapter_root / ".homed")
+    hidden.rename(fleet_replicas.adapter_root / "homed")
+    holder = upstream(fleet, "homed", "A first question for the adapter:")
+    followed = {
+        upstream(fleet, "homed", f"Question {index} about {index * 7}:") for index in range(6)
+    }
+    assert followed == {holder}
+    with ThreadPoolExecutor(8) as pool:
+        spread = set(
+            pool.map(
+                lambda index: upstream(fleet, "homed", f"Busy question {index}:", max_tokens=48),
+                range(8),
+            )
+        )
+    assert spread == {replica.grpc_target for replica in fleet.replicas}
 
 
 def wait_until(condition: Callable[[], bool], seconds: float = 120) -> None:

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 from llmcompletions.v2.completions_pb2 import (
     LoadLoraAdapterRequest,
-    LoraAdapterResponse,
+    LoadLoraAdapterResponse,
     UnloadLoraAdapterRequest,
+    UnloadLoraAdapterResponse,
 )
 
 from service.api.endpoint_models import adapter_call_error
@@ -21,6 +22,7 @@ from service.model.adapters import AdapterError
 from service.model.engine import ServedModel
 
 LOADED, UNLOADED = "lora_adapter.loaded", "lora_adapter.unloaded"
+AdapterReply = LoadLoraAdapterResponse | UnloadLoraAdapterResponse
 
 
 @dataclass(frozen=True)
@@ -29,7 +31,7 @@ class AdapterAdmin:
     enabled: bool  # --enable-adapter-loading
     drain_seconds: float  # how long an unload lets the adapter's calls run
 
-    async def load(self, request: LoadLoraAdapterRequest) -> LoraAdapterResponse:
+    async def load(self, request: LoadLoraAdapterRequest) -> LoadLoraAdapterResponse:
         self.check_enabled()
         require(lora_name=request.lora_name, lora_path=request.lora_path)
         try:
@@ -38,16 +40,16 @@ class AdapterAdmin:
             )
         except AdapterError as error:
             raise adapter_call_error(error) from None
-        return LoraAdapterResponse(lora_name=request.lora_name, object=LOADED, replicas=1)
+        return LoadLoraAdapterResponse(lora_name=request.lora_name, object=LOADED, replicas=1)
 
-    async def unload(self, request: UnloadLoraAdapterRequest) -> LoraAdapterResponse:
+    async def unload(self, request: UnloadLoraAdapterRequest) -> UnloadLoraAdapterResponse:
         self.check_enabled()
         require(lora_name=request.lora_name)
         try:
             await self.model.adapters.unload(request.lora_name, self.drain_seconds)
         except AdapterError as error:
             raise adapter_call_error(error) from None
-        return LoraAdapterResponse(lora_name=request.lora_name, object=UNLOADED, replicas=1)
+        return UnloadLoraAdapterResponse(lora_name=request.lora_name, object=UNLOADED, replicas=1)
 
     def check_enabled(self) -> None:
         if not self.enabled:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import grpc
 from google.protobuf.message import Message
@@ -26,15 +26,16 @@ from llmcompletions.v2.completions_pb2 import (
     ListModelsRequest,
     ListModelsResponse,
     LoadLoraAdapterRequest,
-    LoraAdapterResponse,
+    LoadLoraAdapterResponse,
     TokenizeRequest,
     TokenizeResponse,
     UnloadLoraAdapterRequest,
+    UnloadLoraAdapterResponse,
 )
 
 from plumbing.headers import ATTEMPT_COUNT_HEADER, FANOUT_CONTINUE, FANOUT_HEADER
 from service.api import endpoint_models
-from service.api.adapter_admin import AdapterAdmin
+from service.api.adapter_admin import AdapterAdmin, AdapterReply
 from service.api.cancellation import Cancellations
 from service.api.chat import ChatHandler
 from service.api.completions import CompletionHandler
@@ -62,15 +63,26 @@ class FanOuts:
         self.asked: BoundedDict = BoundedDict(size)
 
 
-class BoundedDict(OrderedDict[tuple[str, str], LoraAdapterResponse]):
+class BoundedDict(OrderedDict[tuple[str, str], AdapterReply]):
     def __init__(self, size: int) -> None:
         super().__init__()
         self.size = size
 
-    def __setitem__(self, key: tuple[str, str], value: LoraAdapterResponse) -> None:
+    def __setitem__(self, key: tuple[str, str], value: AdapterReply) -> None:
         super().__setitem__(key, value)
         while len(self) > self.size:
             self.popitem(last=False)
+
+
+Reply = TypeVar("Reply", LoadLoraAdapterResponse, UnloadLoraAdapterResponse)
+
+
+def counted(reply: Reply, replicas: int) -> Reply:
+    """A copy of `reply` that says `replicas` did it."""
+    copy = type(reply)()
+    copy.CopyFrom(reply)
+    copy.replicas = replicas
+    return copy
 
 
 def header(metadata: tuple[tuple[str, str | bytes], ...], name: str) -> str | None:
@@ -183,14 +195,14 @@ class CompletionServicer(completions_pb2_grpc.CompletionServiceServicer):
 
     async def LoadLoraAdapter(
         self, request: LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
-    ) -> LoraAdapterResponse:
+    ) -> LoadLoraAdapterResponse:
         return await self.adapter_call(
             "LoadLoraAdapter", request, context, lambda admin: admin.load(request), 0.0
         )
 
     async def UnloadLoraAdapter(
         self, request: UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
-    ) -> LoraAdapterResponse:
+    ) -> UnloadLoraAdapterResponse:
         return await self.adapter_call(
             "UnloadLoraAdapter",
             request,
@@ -204,9 +216,9 @@ class CompletionServicer(completions_pb2_grpc.CompletionServiceServicer):
         method: str,
         request: Message,
         context: grpc.aio.ServicerContext,
-        act: Callable[[AdapterAdmin], Awaitable[LoraAdapterResponse]],
+        act: Callable[[AdapterAdmin], Awaitable[Reply]],
         drain_seconds: float,
-    ) -> LoraAdapterResponse:
+    ) -> Reply:
         """A load or unload here, then in the sibling frontends; through Envoy's fan-out
         (FANOUT_HEADER), the reply counts the replicas tried so far and asks for the next."""
         metadata = tuple(context.invocation_metadata() or ())
@@ -214,12 +226,8 @@ class CompletionServicer(completions_pb2_grpc.CompletionServiceServicer):
         fanout = header(metadata, FANOUT_HEADER) is not None
         attempt = int(header(metadata, ATTEMPT_COUNT_HEADER) or 1)
         if fanout and call_id in self.fanouts.asked:  # Envoy came back: all were tried
-            return LoraAdapterResponse(
-                lora_name=self.fanouts.asked[call_id].lora_name,
-                object=self.fanouts.asked[call_id].object,
-                replicas=attempt - 1,
-            )
-        reply = self.fanouts.done.get(call_id) if fanout else None
+            return counted(cast(Reply, self.fanouts.asked[call_id]), attempt - 1)
+        reply = cast(Reply | None, self.fanouts.done.get(call_id)) if fanout else None
         if reply is None:  # not done yet here (a sibling may have done it for this replica)
             reply = await act(self.serving().adapters)
             self.fanouts.done[call_id] = reply
@@ -228,7 +236,7 @@ class CompletionServicer(completions_pb2_grpc.CompletionServiceServicer):
             return reply
         self.fanouts.asked[call_id] = reply
         current_record().reply_headers += ((FANOUT_HEADER, FANOUT_CONTINUE),)
-        return LoraAdapterResponse(lora_name=reply.lora_name, object=reply.object, replicas=attempt)
+        return counted(reply, attempt)
 
     async def in_siblings(
         self, method: str, request: Message, context: grpc.aio.ServicerContext, timeout: float

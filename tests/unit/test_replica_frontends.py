@@ -17,7 +17,7 @@ from llmcompletions.v2.completions_pb2 import (
     CancelCompletionRequest,
     CancelCompletionResponse,
     LoadLoraAdapterRequest,
-    LoraAdapterResponse,
+    LoadLoraAdapterResponse,
 )
 from vllm.v1.engine.admission_control import SharedAdmissionStats
 
@@ -202,9 +202,9 @@ class AdapterAdminStandIn:
     def __init__(self) -> None:
         self.loads = 0
 
-    async def load(self, request: LoadLoraAdapterRequest) -> LoraAdapterResponse:
+    async def load(self, request: LoadLoraAdapterRequest) -> LoadLoraAdapterResponse:
         self.loads += 1
-        return LoraAdapterResponse(lora_name=request.lora_name, object="lora_adapter.loaded")
+        return LoadLoraAdapterResponse(lora_name=request.lora_name, object="lora_adapter.loaded")
 
 
 class Context:
@@ -217,7 +217,7 @@ class Context:
 
 def fanout_attempt(
     servicer: CompletionServicer, attempt: int, fanout: bool = True
-) -> tuple[LoraAdapterResponse, tuple[tuple[str, str], ...]]:
+) -> tuple[LoadLoraAdapterResponse, tuple[tuple[str, str], ...]]:
     """One of Envoy's attempts of the load with request id r1: the reply and its headers."""
     record = RequestRecord("r1", "LoadLoraAdapter", "sql", "", stream=False)
     token = request_context._current.set(record)

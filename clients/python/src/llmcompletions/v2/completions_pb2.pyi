@@ -39,7 +39,17 @@ class UnloadLoraAdapterRequest(_message.Message):
     lora_name: str
     def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
 
-class LoraAdapterResponse(_message.Message):
+class LoadLoraAdapterResponse(_message.Message):
+    __slots__ = ("lora_name", "object", "replicas")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    object: str
+    replicas: int
+    def __init__(self, lora_name: _Optional[str] = ..., object: _Optional[str] = ..., replicas: _Optional[int] = ...) -> None: ...
+
+class UnloadLoraAdapterResponse(_message.Message):
     __slots__ = ("lora_name", "object", "replicas")
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     OBJECT_FIELD_NUMBER: _ClassVar[int]

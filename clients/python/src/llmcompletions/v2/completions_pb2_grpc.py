@@ -73,12 +73,12 @@ class CompletionServiceStub:
         self.LoadLoraAdapter = channel.unary_unary(
                 '/llmcompletions.v2.CompletionService/LoadLoraAdapter',
                 request_serializer=llmcompletions_dot_v2_dot_completions__pb2.LoadLoraAdapterRequest.SerializeToString,
-                response_deserializer=llmcompletions_dot_v2_dot_completions__pb2.LoraAdapterResponse.FromString,
+                response_deserializer=llmcompletions_dot_v2_dot_completions__pb2.LoadLoraAdapterResponse.FromString,
                 _registered_method=True)
         self.UnloadLoraAdapter = channel.unary_unary(
                 '/llmcompletions.v2.CompletionService/UnloadLoraAdapter',
                 request_serializer=llmcompletions_dot_v2_dot_completions__pb2.UnloadLoraAdapterRequest.SerializeToString,
-                response_deserializer=llmcompletions_dot_v2_dot_completions__pb2.LoraAdapterResponse.FromString,
+                response_deserializer=llmcompletions_dot_v2_dot_completions__pb2.UnloadLoraAdapterResponse.FromString,
                 _registered_method=True)
 
 
@@ -216,12 +216,12 @@ def add_CompletionServiceServicer_to_server(servicer, server):
             'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.LoadLoraAdapter,
                     request_deserializer=llmcompletions_dot_v2_dot_completions__pb2.LoadLoraAdapterRequest.FromString,
-                    response_serializer=llmcompletions_dot_v2_dot_completions__pb2.LoraAdapterResponse.SerializeToString,
+                    response_serializer=llmcompletions_dot_v2_dot_completions__pb2.LoadLoraAdapterResponse.SerializeToString,
             ),
             'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.UnloadLoraAdapter,
                     request_deserializer=llmcompletions_dot_v2_dot_completions__pb2.UnloadLoraAdapterRequest.FromString,
-                    response_serializer=llmcompletions_dot_v2_dot_completions__pb2.LoraAdapterResponse.SerializeToString,
+                    response_serializer=llmcompletions_dot_v2_dot_completions__pb2.UnloadLoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -440,7 +440,7 @@ class CompletionService:
             target,
             '/llmcompletions.v2.CompletionService/LoadLoraAdapter',
             llmcompletions_dot_v2_dot_completions__pb2.LoadLoraAdapterRequest.SerializeToString,
-            llmcompletions_dot_v2_dot_completions__pb2.LoraAdapterResponse.FromString,
+            llmcompletions_dot_v2_dot_completions__pb2.LoadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -467,7 +467,7 @@ class CompletionService:
             target,
             '/llmcompletions.v2.CompletionService/UnloadLoraAdapter',
             llmcompletions_dot_v2_dot_completions__pb2.UnloadLoraAdapterRequest.SerializeToString,
-            llmcompletions_dot_v2_dot_completions__pb2.LoraAdapterResponse.FromString,
+            llmcompletions_dot_v2_dot_completions__pb2.UnloadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
