@@ -143,3 +143,17 @@ def test_an_unload_under_traffic_answers_no_call_with_a_5xx(fleet: Fleet, staged
             sender.join(120)
     assert set(statuses) <= {200, 404}, statuses
     assert statuses[-1] == 404
+
+
+def test_base_calls_batched_with_an_adapters_stay_the_base_models(
+    fleet: Fleet, fleet_replicas: FleetReplicas, staged: Path
+) -> None:
+    """No adapter was given at start: on vLLM's CPU build the base model's stand-in adapter is
+    built from the model's own weights, and base calls in a batch with adapter calls still get
+    the base model's text."""
+    shutil.copytree(staged, fleet_replicas.adapter_root / "mixed")
+    alone = replica_texts(fleet, MODEL)
+    assert replica_texts(fleet, "mixed")[0] != alone[0]
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda model: replica_texts(fleet, model), [MODEL, "mixed"] * 4))
+    assert all(texts == alone for texts in together[::2])

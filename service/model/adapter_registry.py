@@ -45,6 +45,7 @@ ENDED_CALLS_GRACE_SECONDS = 5.0
 # How long a call for an adapter not in the engine waits for one there to finish its calls.
 SLOT_WAIT_SECONDS = 30.0
 START, ROOT, CALL = "start", "root", "call"  # where a version came from
+MAX_NAME_BYTES = 255  # a directory name's limit on common file systems
 
 
 class AdapterOutsideRootError(AdapterError):
@@ -216,11 +217,12 @@ class AdapterRegistry:
     # The adapter root
 
     def in_root(self, name: str) -> bool:
-        return (
-            self.root is not None
-            and is_directory_name(name)
-            and (self.root / name / ADAPTER_CONFIG).is_file()
-        )
+        if self.root is None or not is_directory_name(name):
+            return False
+        try:
+            return (self.root / name / ADAPTER_CONFIG).is_file()
+        except OSError:  # a name no directory can have (too long, a NUL, ...)
+            return False
 
     def scan_root(self) -> list[str]:
         if self.root is None or not self.root.is_dir():
@@ -340,12 +342,19 @@ class AdapterRegistry:
                 f"adapter {quote(name)}: lora_path must be an absolute path inside the adapter "
                 f"root {self.root}"
             )
-        resolved = given.resolve()
-        if not resolved.is_relative_to(self.root):
+        try:
+            resolved = given.resolve()
+            inside = resolved.is_relative_to(self.root)
+            found = inside and resolved.is_dir()
+        except (OSError, ValueError):  # no path a file system takes (a NUL, too long)
+            raise AdapterNotFoundError(
+                f"adapter {quote(name)}: {quote(path)} is not a directory"
+            ) from None
+        if not inside:
             raise AdapterOutsideRootError(
                 f"adapter {quote(name)}: {path} is outside the adapter root {self.root}"
             )
-        if not resolved.is_dir():
+        if not found:
             raise AdapterNotFoundError(f"adapter {quote(name)}: {path} is not a directory")
         return resolved
 
@@ -440,4 +449,8 @@ async def wait_idle(version: AdapterVersion, seconds: float) -> bool:
 
 def is_directory_name(name: str) -> bool:
     """A name that is one directory's name inside the root (no path, nothing hidden)."""
-    return bool(name) and "/" not in name and "\\" not in name and not name.startswith(".")
+    return (
+        0 < len(name.encode(errors="replace")) <= MAX_NAME_BYTES
+        and not any(c in name for c in "/\\\0")
+        and not name.startswith(".")
+    )

@@ -303,3 +303,20 @@ def test_the_cpu_stand_in_is_built_from_the_model_weights_all_zero(tmp_path: Pat
         )
     assert a.shape == (8, 6) and b.shape == (6, 8)
     assert not a.any() and not b.any()
+
+
+def test_names_and_paths_no_file_system_takes_are_unknown_not_errors(
+    model: Path, root: Path, tmp_path: Path
+) -> None:
+    served, _ = registry(model, root, tmp_path)
+
+    async def scenario() -> None:
+        for name in ("m" * 100_000, "nul\0name", ".hidden", "a/b", ""):
+            assert not served.serves(name)
+            with pytest.raises(UnknownModelError):
+                await served.acquire(name)
+        for path in (str(root / ("p" * 5000)), f"{root}/nul\0path"):
+            with pytest.raises(AdapterNotFoundError):
+                await served.load("x", path)
+
+    asyncio.run(scenario())
