@@ -39,7 +39,7 @@ GRPC_OPERATOR = (("authorization", f"Bearer {OPERATOR_KEY}"),)
 SEEDS = {"s3": 3, "s4": 4, "s5": 5}  # adapters built here, besides copies of a1 and a2
 ROOT_POLL_SECONDS = 10  # the root is scanned every second; a bound for a hang, not a speed
 # Long enough to span the prefix cache's blocks (a version switch must not reuse them).
-LONG_PROMPT = " ".join(f"Item {index} is on the shelf." for index in range(40))
+LONG_PROMPT = " ".join(f"Item {index} is on the shelf." for index in range(30))
 
 
 @pytest.fixture(scope="module")
@@ -230,9 +230,9 @@ def test_an_unload_lets_a_running_stream_finish_then_refuses_and_frees_the_adapt
     rest: httpx.Client, sources: dict[str, Path], lora_stack: TestStack
 ) -> None:
     assert load(rest, "rt-gone", sources["s3"]).status_code == 200
-    expected = text(rest, "rt-gone", max_tokens=48)
+    expected = text(rest, "rt-gone", max_tokens=32)
     started = threading.Event()
-    reader, outcome = stream_in_background(rest, "rt-gone", started, max_tokens=48)
+    reader, outcome = stream_in_background(rest, "rt-gone", started, max_tokens=32)
     assert started.wait(60), "the stream sent nothing"
     response = unload(rest, "rt-gone")  # returns once the stream ended and the copy is gone
     assert response.status_code == 200, response.text
@@ -258,9 +258,9 @@ def test_a_new_version_serves_new_weights_without_the_old_cache_while_the_old_fi
     loaded.append("rt-v")
     old = completion(rest, "rt-v", prompt=LONG_PROMPT, max_tokens=12)
     assert cached_tokens(completion(rest, "rt-v", prompt=LONG_PROMPT, max_tokens=12)) > 0
-    old_stream = text(rest, "rt-v", max_tokens=48)
+    old_stream = text(rest, "rt-v", max_tokens=32)
     started = threading.Event()
-    reader, outcome = stream_in_background(rest, "rt-v", started, max_tokens=48)
+    reader, outcome = stream_in_background(rest, "rt-v", started, max_tokens=32)
     assert started.wait(60), "the stream sent nothing"
     switched = load(rest, "rt-v", sources["s4"], load_inplace=True)
     assert switched.status_code == 200, switched.text
@@ -282,9 +282,8 @@ def test_three_adapters_cycled_through_two_memory_slots_all_stay_correct(
     models = [directory.name for directory in directories]
     first = {model: text(rest, model) for model in models}
     assert len(set(first.values())) == len(models)
-    for _ in range(2):
-        for model in models:
-            assert text(rest, model) == first[model]
+    for model in models:  # each evicted meanwhile, and loaded again
+        assert text(rest, model) == first[model]
     mixed = [*models, LORA_MODEL, "a1"] * 3
     base = text(rest, LORA_MODEL)
     expected = {**first, LORA_MODEL: base, "a1": text(rest, "a1")}
