@@ -5,6 +5,7 @@ here starts an engine or reads a model."""
 from __future__ import annotations
 
 import re
+import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from types import SimpleNamespace
@@ -171,6 +172,9 @@ class StandInEngine:
         pass
 
 
+EMPTY_ADAPTER_ROOT = Path(tempfile.mkdtemp(prefix="unit-adapter-root-"))
+
+
 def served_model(engine: StandInEngine | None = None) -> ServedModel:
     """A served model with what the handlers read of one, on a stand-in engine."""
     engine = engine or StandInEngine()
@@ -186,7 +190,8 @@ def served_model(engine: StandInEngine | None = None) -> ServedModel:
         adapters=AdapterRegistry(
             engine,  # type: ignore[arg-type]
             ModelCatalog(MODEL),
-            EngineSettings(None, MODEL),
+            # An empty adapter root: every model name a request brings is looked up there.
+            EngineSettings(None, MODEL, adapter_root=EMPTY_ADAPTER_ROOT),
             Path("/"),
             Path("/"),
         ),
