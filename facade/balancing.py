@@ -76,6 +76,8 @@ SERVICE = completions_pb2.DESCRIPTOR.services_by_name["CompletionService"]
 CREATE_COMPLETION = SERVICE.methods_by_name["CreateCompletion"].full_name
 CREATE_CHAT_COMPLETION = SERVICE.methods_by_name["CreateChatCompletion"].full_name
 CANCEL_COMPLETION = SERVICE.methods_by_name["CancelCompletion"].full_name
+ADAPTER_METHOD_NAMES = ("LoadLoraAdapter", "UnloadLoraAdapter")
+ADAPTER_METHODS = tuple(SERVICE.methods_by_name[name].full_name for name in ADAPTER_METHOD_NAMES)
 # Where a prompt's text or token ids sit in its google.protobuf.Value (a string, a list of
 # strings, a list of token ids, or a list of token-id lists).
 PROMPT_FIELDS = (
@@ -126,6 +128,8 @@ def extracted_fields(by_model: bool, affinity: PrefixAffinity | None) -> dict[st
     fields: dict[str, list[str]] = {}
     if by_model:
         fields = {method: ["model"] for method in methods_with_model()}
+        # An adapter's load or unload goes to the pool its name belongs to (--pool-adapters).
+        fields.update({method: ["lora_name"] for method in ADAPTER_METHODS})
     if affinity is not None:
         fields[CREATE_COMPLETION] = ["model", *PROMPT_FIELDS]
         fields[CREATE_CHAT_COMPLETION] = ["model", *MESSAGE_FIELDS]
@@ -303,9 +307,7 @@ MODEL_HEADER = "x-model"
 # with FANOUT_HEADER "continue", and Envoy retries on a replica not yet tried (choosing among
 # those left up to FANOUT_HOST_SELECTION_ATTEMPTS times, enough for a pool of dozens), until a
 # replica asked again answers without it, with the count of replicas that did it.
-FANOUT_PATHS = tuple(
-    f"/{SERVICE.full_name}/{method}" for method in ("LoadLoraAdapter", "UnloadLoraAdapter")
-)
+FANOUT_PATHS = tuple(f"/{SERVICE.full_name}/{name}" for name in ADAPTER_METHOD_NAMES)
 FANOUT_HOST_SELECTION_ATTEMPTS = 100
 
 

@@ -11,7 +11,7 @@ from typing import Literal
 
 from facade.addresses import FrontendGroups, frontend_port_sets, parse_address, parse_replica
 from facade.balancing import BALANCE_POLICIES, PrefixAffinity
-from facade.pools import Pool, parse_pool
+from facade.pools import Pool, PoolError, parse_pool, parse_pool_adapters, with_adapter_patterns
 from facade.render import (
     DEFAULT_ADMIN_PORT,
     DEFAULT_HTTP_PORT,
@@ -64,6 +64,13 @@ def fleet_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Fle
         parser.error(f"POOLS or GRPC_PORT: {error}")
     if pools and args.upstream:
         parser.error("give either --upstream (one pool) or --pool (several), not both")
+    try:
+        adapters = args.pool_adapters or [
+            parse_pool_adapters(text) for text in os.environ.get("POOL_ADAPTERS", "").split()
+        ]
+        pools = with_adapter_patterns(pools, adapters)
+    except (argparse.ArgumentTypeError, PoolError) as error:
+        parser.error(f"--pool-adapters or POOL_ADAPTERS: {error}")
     upstreams = [address for replica in replicas for address in replica]
     return Fleet(upstreams, pools, frontend_ports=frontend_port_sets(replicas))
 
@@ -146,6 +153,14 @@ def add_replica_address_options(parser: argparse.ArgumentParser) -> None:
         help="NAME=REPLICA[,REPLICA...], each as --upstream gives one: replicas serving the "
         "base model NAME (its served name) and its adapters; repeat for each base model, and "
         "each call goes to the pool serving its `model` (env POOLS, space-separated)",
+    )
+    parser.add_argument(
+        "--pool-adapters",
+        type=parse_pool_adapters,
+        action="append",
+        help="NAME=PATTERN[,PATTERN...]: names of adapters pool NAME may gain while it serves "
+        "(its adapter root, load calls), each exact or a prefix ending in `*`, e.g. "
+        "beta=team-b-*; routed to the pool with no restart (env POOL_ADAPTERS, space-separated)",
     )
 
 

@@ -35,6 +35,8 @@ class Pool:
     name: str
     addresses: tuple[tuple[str, int], ...]  # every frontend of every replica
     models: tuple[str, ...] = ()  # every served name, learned from the pool
+    # Names of adapters the pool may gain while it serves: exact, or a prefix ending in `*`.
+    adapter_patterns: tuple[str, ...] = ()
     frontend_ports: tuple[tuple[int, ...], ...] = ()  # replicas with several frontends
 
     @property
@@ -53,6 +55,34 @@ def parse_pool(text: str) -> Pool:
         tuple(address for replica in replicas for address in replica),
         frontend_ports=frontend_port_sets(replicas),
     )
+
+
+def parse_pool_adapters(text: str) -> tuple[str, tuple[str, ...]]:
+    """NAME=PATTERN[,PATTERN...]: a pool's adapter names, each exact or a prefix then `*`."""
+    name, separator, given = text.partition("=")
+    patterns = tuple(pattern for pattern in given.split(",") if pattern)
+    if not separator or not name or not patterns:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATTERN[,PATTERN...], got {text!r}")
+    for pattern in patterns:
+        if "*" in pattern[:-1] or pattern == "*":
+            raise argparse.ArgumentTypeError(
+                f"{pattern!r}: a pattern is a name, or a prefix followed by one `*` at its end"
+            )
+    return name, patterns
+
+
+def with_adapter_patterns(
+    pools: Sequence[Pool], given: Sequence[tuple[str, tuple[str, ...]]]
+) -> list[Pool]:
+    """The pools, each with the adapter patterns given for it."""
+    names = {pool.name for pool in pools}
+    for name, _ in given:
+        if name not in names:
+            raise PoolError(f"--pool-adapters names pool {name!r}, which no --pool gives")
+    patterns = {name: found for name, found in given}
+    return [
+        dataclasses.replace(pool, adapter_patterns=patterns.get(pool.name, ())) for pool in pools
+    ]
 
 
 def list_models(

@@ -174,10 +174,13 @@ def any_pool_cluster(pools: Sequence[Pool], template: dict[str, Any]) -> dict[st
 
 
 def model_route(template: dict[str, Any], model: str, cluster: str) -> dict[str, Any]:
+    """The calls for `model` (or, for a pattern ending in `*`, every model it begins) to
+    `cluster`."""
     route = copy.deepcopy(template)
+    match = {"prefix": model[:-1]} if model.endswith("*") else {"exact": model}
     route["match"]["headers"] = [
         *route["match"]["headers"],
-        {"name": MODEL_HEADER, "string_match": {"exact": model}},
+        {"name": MODEL_HEADER, "string_match": match},
     ]
     route["route"]["cluster"] = cluster
     return route
@@ -209,6 +212,12 @@ def route_by_model(config: dict[str, Any], pools: Sequence[Pool], listing: str) 
     ]
     grpc = grpc_route(config)
     by_model = [model_route(grpc, model, pool.cluster) for pool in pools for model in pool.models]
+    # Adapters a pool gains while it serves, by name: after every name served at start.
+    by_model += [
+        model_route(grpc, pattern, pool.cluster)
+        for pool in pools
+        for pattern in pool.adapter_patterns
+    ]
     all_routes = routes(config)
     index = all_routes.index(grpc)
     all_routes[index : index + 1] = [*by_model, any_pool_route(grpc, listing)]

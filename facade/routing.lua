@@ -156,7 +156,8 @@ end
 function envoy_on_request(handle)
   local headers = handle:headers()
   local fields = handle:streamInfo():dynamicMetadata():get(EXTRACTION) or {}
-  local model = first(fields["model"])
+  -- An adapter's load or unload names no model: its adapter's name routes it to a pool.
+  local model = first(fields["model"]) or first(fields["lora_name"])
   if model ~= nil and #model > MAX_MODEL_BYTES then
     model = nil
   end

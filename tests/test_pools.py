@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import httpx
@@ -22,7 +24,15 @@ import pytest
 from llmcompletions.v2 import completions_pb2_grpc
 from llmcompletions.v2.completions_pb2 import GetModelInfoRequest, ListModelsRequest
 
-from tests.conftest import API_KEY, AUTH_HEADERS, GRPC_AUTH, LORA_MODEL, MODEL
+from tests.conftest import (
+    API_KEY,
+    AUTH_HEADERS,
+    GRPC_AUTH,
+    LORA_MODEL,
+    MODEL,
+    OPERATOR_KEY,
+    adapter_root_of,
+)
 from tests.helpers import CAPITAL_PROMPT, grpc_request
 from tests.metrics import scrape
 from tests.processes import TestStack, free_port, stop_helpers
@@ -32,6 +42,8 @@ ALPHA, BETA = MODEL, LORA_MODEL
 ADAPTER = "a1"
 OWNER = {ALPHA: ALPHA, BETA: BETA, ADAPTER: BETA, "a2": BETA}
 GREEDY = {"prompt": CAPITAL_PROMPT, "max_tokens": 6, "temperature": 0}
+# Adapters the adapter stack gains while it serves: named so, they are routed to its pool.
+LATER_ADAPTERS = "pool-later-"
 # The default stack needs a key: every call carries it (the adapter stack ignores it).
 LAUNCH_ENV = {**os.environ, "API_KEY": API_KEY}
 
@@ -75,6 +87,7 @@ def endpoint(stack: TestStack, lora_stack: TestStack) -> Iterator[Endpoint]:
         *(sys.executable, "-m", "facade.launch", "--http-port", str(http_port)),
         *("--admin-port", str(free_port())),
         *(arg for name, pool in pools.items() for arg in ("--pool", f"{name}={pool.grpc_target}")),
+        *("--pool-adapters", f"{BETA}={LATER_ADAPTERS}*"),
     ]
     envoy = subprocess.Popen(launch, env=LAUNCH_ENV)
     try:
@@ -217,3 +230,45 @@ def test_the_launcher_refuses_pools_it_cannot_route(endpoint: Endpoint) -> None:
     twice = run_launch(f"{ALPHA}={alpha}", f"{ALPHA}={alpha}")
     assert twice.returncode != 0
     assert f"model '{ALPHA}' is served by pools '{ALPHA}' and '{ALPHA}'" in twice.stderr
+
+
+def test_adapters_a_pool_gains_while_it_serves_are_routed_to_it(
+    endpoint: Endpoint, adapter_dirs: dict[str, Path]
+) -> None:
+    """Named by the pool's --pool-adapters pattern: one dropped into its adapter root, and one
+    the operator loads through the endpoint (the load itself routed by the adapter's name)."""
+    root = adapter_root_of(adapter_dirs)
+    staged = shutil.copytree(adapter_dirs["a2"], root / ".pool-staging")
+    dropped, loaded = f"{LATER_ADAPTERS}dropped", f"{LATER_ADAPTERS}loaded"
+    operator = {"Authorization": f"Bearer {OPERATOR_KEY}"}
+    try:
+        shutil.copytree(staged, root / dropped)
+        for name in (dropped, loaded):
+            if name == loaded:
+                body = {"lora_name": loaded, "lora_path": str(staged)}
+                reply = httpx.post(
+                    f"{endpoint.base_url}/v2/load_lora_adapter",
+                    json=body,
+                    headers=operator,
+                    timeout=120,
+                )
+                assert reply.status_code == 200 and reply.json()["replicas"] == 1, reply.text
+            served = httpx.post(
+                f"{endpoint.base_url}/v2/completions",
+                json={"model": name, **GREEDY},
+                headers=AUTH_HEADERS,
+                timeout=120,
+            )
+            assert served.status_code == 200, served.text
+            assert served.json()["model"] == name
+        unload = {"lora_name": loaded}
+        reply = httpx.post(
+            f"{endpoint.base_url}/v2/unload_lora_adapter",
+            json=unload,
+            headers=operator,
+            timeout=120,
+        )
+        assert reply.status_code == 200, reply.text
+    finally:
+        shutil.rmtree(root / dropped, ignore_errors=True)
+        shutil.rmtree(staged)

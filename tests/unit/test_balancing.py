@@ -292,8 +292,10 @@ def test_envoy_reads_the_model_and_prompt_of_completions_and_chats_only() -> Non
     assert all(
         names == ["model"]
         for method, names in with_pools.items()
-        if "Create" not in method and "Cancel" not in method
+        if "Create" not in method and "Cancel" not in method and "LoraAdapter" not in method
     )
+    for adapter_call in balancing.ADAPTER_METHODS:  # routed to a pool by the adapter's name
+        assert with_pools[adapter_call] == ["lora_name"]
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,15 @@ import pytest
 from llmcompletions.v2.completions_pb2 import ListModelsResponse, Model
 
 from facade import balancing, envoy_config, render
-from facade.pools import Pool, PoolError, checked, listing_header, parse_pool
+from facade.pools import (
+    Pool,
+    PoolError,
+    checked,
+    listing_header,
+    parse_pool,
+    parse_pool_adapters,
+    with_adapter_patterns,
+)
 from plumbing.headers import ENDPOINT_MODELS_HEADER
 from service.api import endpoint_models
 from service.transport.endpoint_header import passed_listing
@@ -138,3 +146,40 @@ def test_a_replica_names_the_endpoints_models_when_the_facade_passes_them() -> N
         assert endpoint_models.served_names(["alpha"]) == ["alpha"]  # garbage is ignored
     finally:
         endpoint_models.unbind(token)
+
+
+def test_a_pools_adapter_patterns_route_its_later_adapters_and_their_loads() -> None:
+    """Names a pool gains while it serves (its adapter root, load calls): after every name
+    served at start, before the calls no pool owns; an adapter's load or unload is routed by
+    its name, to every replica of that pool."""
+    patterned = with_adapter_patterns(pools(), [parse_pool_adapters("beta=team-b-*,exact-one")])
+    config = render.render_config(8080, 9901, [("127.0.0.1", 50051)])
+    render.configure_routing(config, patterned, listing_header(listing("alpha")), affinity=None)
+    all_routes = envoy_config.routes(config)
+    grpc_routes = [r for r in all_routes if "route" in r and r["match"].get("prefix") == "/"]
+    matches = [
+        (header["string_match"], route["route"]["cluster"])
+        for route in grpc_routes
+        for header in route["match"]["headers"]
+        if header["name"] == balancing.MODEL_HEADER
+    ]
+    assert matches[-2:] == [
+        ({"prefix": "team-b-"}, "pool_beta"),
+        ({"exact": "exact-one"}, "pool_beta"),
+    ]
+    assert grpc_routes[-1]["route"]["cluster"] == render.ANY_POOL_CLUSTER
+    load = "/llmcompletions.v2.CompletionService/LoadLoraAdapter"
+    loads = [r for r in all_routes if r["match"].get("path") == load]
+    assert {"prefix": "team-b-"} in [
+        h["string_match"] for r in loads for h in r["match"]["headers"]
+    ]
+    fields = balancing.extracted_fields(by_model=True, affinity=None)
+    assert fields["llmcompletions.v2.CompletionService.LoadLoraAdapter"] == ["lora_name"]
+
+
+@pytest.mark.parametrize("text", ["beta", "beta=", "beta=a*b", "beta=*"])
+def test_bad_adapter_patterns_are_refused(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_pool_adapters(text)
+    with pytest.raises(PoolError):
+        with_adapter_patterns(pools(), [("gamma", ("x-*",))])
