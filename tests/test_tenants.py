@@ -14,8 +14,13 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
+from google.protobuf import json_format
 from llmcompletions.v2 import completions_pb2_grpc
-from llmcompletions.v2.completions_pb2 import CancelCompletionRequest, ListModelsRequest
+from llmcompletions.v2.completions_pb2 import (
+    CancelCompletionRequest,
+    CreateChatCompletionRequest,
+    ListModelsRequest,
+)
 
 from service.api.rate_limits import TenantLimits
 from service.api.tenants import Caller, Limits
@@ -173,6 +178,26 @@ def test_tpm_charges_prompt_and_completion_tokens_whole_streamed_and_cancelled(
     generated = charged_between(while_streaming, probe(stack))
     assert received == 3
     assert 3 <= generated < 400, f"a cancelled stream is charged what it generated: {generated}"
+    # A chat's prompt too: vLLM's chat serving tells its count as soon as it is rendered.
+    before_chat = probe(stack)
+    chat = stub.CreateChatCompletion(
+        json_format.ParseDict(
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "Count:"}],
+                "max_tokens": 400,
+                "stream": True,
+                "ignore_eos": True,
+            },
+            CreateChatCompletionRequest(),
+        ),
+        timeout=60,
+        metadata=grpc_auth(TENANT_KEYS["metered"]),
+    )
+    assert sum(1 for _, _ in zip(range(3), chat, strict=False)) == 3
+    prompt = charged_between(before_chat, probe(stack))
+    chat.cancel()
+    assert 5 < prompt < 100, f"a streaming chat's templated prompt is charged at once: {prompt}"
 
 
 def test_a_key_added_or_removed_in_the_file_takes_effect_within_seconds(

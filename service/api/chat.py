@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -90,6 +90,10 @@ def check_chat_settings(settings: ChatSettings) -> None:
 CALL_ADAPTER: contextvars.ContextVar[LoRARequest | None] = contextvars.ContextVar(
     "chat_adapter", default=None
 )
+# Told the prompt's token count as soon as vLLM's serving has rendered and tokenized it.
+CALL_TOKENIZED: contextvars.ContextVar[Callable[[int], None] | None] = contextvars.ContextVar(
+    "chat_tokenized", default=None
+)
 
 
 class CatalogChat(OpenAIServingChat):
@@ -103,6 +107,15 @@ class CatalogChat(OpenAIServingChat):
         self, request: Any, supports_default_mm_loras: bool = False
     ) -> LoRARequest | None:
         return CALL_ADAPTER.get()
+
+    def _log_inputs(
+        self, request_id: str, inputs: Any, params: Any, lora_request: LoRARequest | None
+    ) -> None:
+        # Called once the conversation is tokenized, before the engine gets it.
+        super()._log_inputs(request_id, inputs, params=params, lora_request=lora_request)
+        told = CALL_TOKENIZED.get()
+        if told is not None:
+            told(len(self._extract_prompt_components(inputs).token_ids or ()))
 
     def _raise_if_error(self, finish_reason: str | None, request_id: str) -> None:
         constraint = CALL_CONSTRAINT.get()
@@ -183,6 +196,7 @@ class ChatHandler:
         if adapter is not None:
             annotate_call(**{"llm_completions.adapter": adapter.lora_name})
         CALL_ADAPTER.set(adapter)
+        CALL_TOKENIZED.set(record.tokenized)  # a tenant's limits charge the prompt at once
         call.engine_prefix = f"{VLLM_CHAT_ID_PREFIX}{engine_request.request_id}"
         call.check()
         timed = self.always_metrics or request.return_metrics

@@ -1,9 +1,8 @@
 """Tenants' limits on the wire: a tenant's completion and chat calls are counted against its
 limits before any work (refused with RESOURCE_EXHAUSTED, 429, and `retry-after`), replies carry
-OpenAI's rate-limit headers, a completion's prompt tokens are charged as soon as it is
-tokenized, and the rest of each call's tokens when it ends, however it ends (a chat's prompt
-too: vLLM's chat serving tokenizes it inside the call). service.api.rate_limits keeps the
-windows."""
+OpenAI's rate-limit headers, a call's prompt tokens are charged as soon as it is tokenized
+(RequestRecord.tokenized), and the rest of its tokens when it ends, however it ends.
+service.api.rate_limits keeps the windows."""
 
 from __future__ import annotations
 
