@@ -5,8 +5,8 @@ per tenant across every replica).
 
 A request is counted as it arrives and refused before any work once the tenant's requests or
 tokens of the window are spent; its tokens are charged as the transport learns them (a
-completion's or chat's prompt once tokenized, the rest when it ends, whatever ended it). A store that
-fails lets requests pass (its errors counted), unless told to refuse them."""
+completion's or chat's prompt once tokenized, the rest when it ends, whatever ended it). A
+store that fails lets requests pass (its errors counted), unless told to refuse them."""
 
 from __future__ import annotations
 
