@@ -4,6 +4,7 @@ the REST framing) is done by the interceptor chain (`service.transport.intercept
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -226,7 +227,7 @@ class CompletionServicer(completions_pb2_grpc.CompletionServiceServicer):
         fanout = header(metadata, FANOUT_HEADER) is not None
         attempt = int(header(metadata, ATTEMPT_COUNT_HEADER) or 1)
         if fanout and call_id in self.fanouts.asked:  # Envoy came back: all were tried
-            return counted(cast(Reply, self.fanouts.asked[call_id]), attempt - 1)
+            return counted(cast(Reply, self.fanouts.asked[call_id]), self.replicas(attempt - 1))
         reply = cast(Reply | None, self.fanouts.done.get(call_id)) if fanout else None
         if reply is None:  # not done yet here (a sibling may have done it for this replica)
             reply = await act(self.serving().adapters)
@@ -236,7 +237,14 @@ class CompletionServicer(completions_pb2_grpc.CompletionServiceServicer):
             return reply
         self.fanouts.asked[call_id] = reply
         current_record().reply_headers += ((FANOUT_HEADER, FANOUT_CONTINUE),)
-        return counted(reply, attempt)
+        return counted(reply, self.replicas(attempt))
+
+    def replicas(self, endpoints: int) -> int:
+        """The replicas that `endpoints` of Envoy's fan-out make: with several frontends, Envoy
+        knows each frontend's port (as the launcher and the manifests set it up), so a replica
+        is as many endpoints as it has frontends (its pool's replicas alike)."""
+        frontends = 1 if self.siblings is None else len(self.siblings.channels) + 1
+        return math.ceil(endpoints / frontends)
 
     async def in_siblings(
         self, method: str, request: Message, context: grpc.aio.ServicerContext, timeout: float

@@ -10,6 +10,7 @@ import multiprocessing
 import socket
 from collections.abc import Sequence
 from types import SimpleNamespace
+from typing import Any
 
 import grpc
 import pytest
@@ -250,3 +251,40 @@ def test_envoys_fanout_counts_each_replica_and_ends_at_one_asked_again() -> None
     assert [admin.loads for admin in admins] == [1, 1]  # each did it once
     direct, headers = fanout_attempt(servicers[1], 1, fanout=False)
     assert (direct.replicas, headers) == (0, ())  # not through Envoy: no count, no "next"
+
+
+class SiblingStandIn:
+    """The other frontend of a replica of two: a forwarded load is done there."""
+
+    def __init__(self) -> None:
+        self.channels = [None]
+        self.other: CompletionServicer | None = None
+
+    async def each(
+        self, method: str, request: Any, metadata: Any, timeout: float
+    ) -> list[grpc.aio.AioRpcError]:
+        assert self.other is not None
+        done = await self.other.serving().adapters.load(request)
+        self.other.fanouts.done[(request_context.current_record().request_id, method)] = done
+        return []
+
+
+def test_envoys_fanout_counts_replicas_of_two_frontends_once_each() -> None:
+    """Two replicas of two frontends, each frontend an endpoint of Envoy's: the first frontend
+    asked does the load and its sibling with it; the count is of replicas."""
+    admins = [AdapterAdminStandIn() for _ in range(4)]
+    links = [SiblingStandIn() for _ in range(4)]
+    servicers = [
+        CompletionServicer(lambda admin=admin: SimpleNamespace(adapters=admin), link)  # type: ignore[misc, arg-type]
+        for admin, link in zip(admins, links, strict=True)
+    ]
+    for first, second in ((0, 1), (2, 3)):  # frontends of one replica
+        links[first].other, links[second].other = servicers[second], servicers[first]
+    counts = [
+        fanout_attempt(servicers[frontend], attempt)[0].replicas
+        for attempt, frontend in enumerate((0, 1, 2, 3), start=1)
+    ]
+    assert counts == [1, 1, 2, 2]
+    last, headers = fanout_attempt(servicers[1], 5)  # asked again: every endpoint was
+    assert (last.replicas, headers) == (2, ())
+    assert [admin.loads for admin in admins] == [1, 1, 1, 1]  # each frontend's table, once
