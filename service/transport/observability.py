@@ -36,6 +36,7 @@ TOKEN_GAP_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.2
 MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"
 SEVERAL_FRONTENDS = MULTIPROCESS_ENV in os.environ
 GAUGE_SECONDS = 0.25
+READ_ATTEMPTS = 5  # reads of a count the event loop may be changing, per scrape
 FRONTEND: dict[str, str] = {}  # {"frontend": index} in a frontend of several
 
 REQUESTS = Counter(
@@ -154,10 +155,30 @@ def watch_engine_gauges(engine: AsyncLLM, backlog: Backlog) -> asyncio.Task[None
         CAPACITY.labels(limit).set(value)
     if SEVERAL_FRONTENDS:
         return asyncio.ensure_future(write_gauges(engine, backlog))
-    ENGINE_UNFINISHED.set_function(engine.get_num_unfinished_requests)
-    QUEUED_PROMPT_TOKENS.set_function(engine.get_num_queued_tokens)
+    ENGINE_UNFINISHED.set_function(read_while_served(engine.get_num_unfinished_requests))
+    QUEUED_PROMPT_TOKENS.set_function(read_while_served(engine.get_num_queued_tokens))
     PREPARING.set_function(lambda: backlog.preparing_calls)
     return None
+
+
+def read_while_served(read: Callable[[], int]) -> Callable[[], float]:
+    """`read` for the metrics thread. vLLM's counts iterate dicts that the event loop changes
+    as requests come and go; a read that meets a change (RuntimeError) is tried again, and if
+    it keeps meeting them, the last value read stands (a scrape never fails for it: it made
+    /metrics answer 500 under a burst)."""
+    last = 0.0
+
+    def value() -> float:
+        nonlocal last
+        for _ in range(READ_ATTEMPTS):
+            try:
+                last = float(read())
+                return last
+            except RuntimeError:
+                continue
+        return last
+
+    return value
 
 
 async def write_gauges(engine: AsyncLLM, backlog: Backlog) -> None:

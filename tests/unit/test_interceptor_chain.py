@@ -27,7 +27,7 @@ from service.api.errors import ModelNotFoundError, OverloadedError
 from service.model.load import LoadSnapshot
 from service.transport.error_mapping import ErrorMappingInterceptor
 from service.transport.load_reports import LoadReports
-from service.transport.observability import REQUESTS
+from service.transport.observability import REQUESTS, read_while_served
 from service.transport.request_context import RequestContextInterceptor
 from service.transport.rest_bridge import END_OF_EVENTS, FRAMING_HEADER, HTTP_STATUS_HEADER
 
@@ -263,3 +263,24 @@ def test_with_prompts_logged_a_call_without_choices_is_served(
         )
     )
     assert served == [reply] and context.status is None
+
+
+def test_a_count_the_event_loop_changes_while_scraped_never_fails_the_scrape() -> None:
+    """vLLM's queued-token count iterates a dict the event loop changes: read from the metrics
+    thread, it may raise; the gauge tries again, else keeps its last value."""
+    outcomes = iter([7, RuntimeError("dictionary changed size during iteration"), 9])
+
+    def read() -> int:
+        outcome = next(outcomes)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    value = read_while_served(read)
+    assert (value(), value()) == (7.0, 9.0)  # the second read tried again
+
+    def always_changing() -> int:
+        raise RuntimeError("dictionary changed size during iteration")
+
+    stuck = read_while_served(always_changing)
+    assert stuck() == 0.0
