@@ -56,6 +56,12 @@ def root(adapter_dirs: dict[str, Path], lora_stack: TestStack) -> Iterator[Path]
     yield root
     for entry in root.iterdir():
         shutil.rmtree(entry)
+    with httpx.Client(base_url=lora_stack.base_url, timeout=30) as client:
+        # Until the stack lists only what it served at start (the root is scanned every
+        # second): the next module discovers its models.
+        wait_for(
+            lambda: listed(client) == [LORA_MODEL, *adapter_dirs], "the root's adapters stayed"
+        )
 
 
 @pytest.fixture(scope="module")
