@@ -256,6 +256,20 @@ def keyed_route(route: dict[str, Any]) -> dict[str, Any]:
     return keyed
 
 
+# Retries that go at once to a replica not yet tried (cancels and fan-outs ask each in turn).
+NEXT_HOST_AT_ONCE: dict[str, Any] = {
+    "retry_back_off": {"base_interval": "0.001s", "max_interval": "0.01s"},
+    "retry_host_predicate": [
+        {
+            "name": "envoy.retry_host_predicates.previous_hosts",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts."
+                "v3.PreviousHostsPredicate"
+            },
+        }
+    ],
+}
+
 # A cancel asks the replica the picker names first, then the others, one by one, while each
 # answers NOT_FOUND (it does not hold the request): every replica of a pool listed by address,
 # up to this many of one named by DNS (or of several pools).
@@ -284,16 +298,7 @@ def cancel_route(route: dict[str, Any], cluster: str, attempts: int) -> dict[str
         "unavailable",
         "retriable_headers": [{"name": "grpc-status", "string_match": {"exact": GRPC_NOT_FOUND}}],
         "num_retries": attempts - 1,
-        "retry_back_off": {"base_interval": "0.001s", "max_interval": "0.01s"},
-        "retry_host_predicate": [
-            {
-                "name": "envoy.retry_host_predicates.previous_hosts",
-                "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts."
-                    "v3.PreviousHostsPredicate"
-                },
-            }
-        ],
+        **copy.deepcopy(NEXT_HOST_AT_ONCE),
         "host_selection_retry_max_attempts": KEYED_HOST_SELECTION_ATTEMPTS,
     }
     return cancel
@@ -322,16 +327,7 @@ def fanout_route(route: dict[str, Any], cluster: str, path: str, replicas: int) 
         "retry_on": "retriable-headers",
         "retriable_headers": [{"name": FANOUT_HEADER, "string_match": {"exact": FANOUT_CONTINUE}}],
         "num_retries": replicas,  # one more than the replicas: the last finds one asked
-        "retry_back_off": {"base_interval": "0.001s", "max_interval": "0.01s"},
-        "retry_host_predicate": [
-            {
-                "name": "envoy.retry_host_predicates.previous_hosts",
-                "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts."
-                    "v3.PreviousHostsPredicate"
-                },
-            }
-        ],
+        **copy.deepcopy(NEXT_HOST_AT_ONCE),
         "host_selection_retry_max_attempts": FANOUT_HOST_SELECTION_ATTEMPTS,
     }
     fanout["request_headers_to_add"] = [
