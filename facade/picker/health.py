@@ -31,9 +31,10 @@ logger = logging.getLogger("facade.picker")
 # A channel to a replica that went away retries its connection at most this often (gRPC's
 # default backs off to 2 minutes), and each check waits up to its timeout for it: a replica
 # back from a restart is in at the first check after it answers, as Envoy's checks find it.
+# Half the timeout: gRPC adds up to 20 % jitter to a backoff, and a retry must fall inside.
 RECONNECT = [
     ("grpc.initial_reconnect_backoff_ms", 250),
-    ("grpc.max_reconnect_backoff_ms", int(CHECK_TIMEOUT_SECONDS * 1000)),
+    ("grpc.max_reconnect_backoff_ms", int(CHECK_TIMEOUT_SECONDS * 500)),
 ]
 
 

@@ -127,7 +127,12 @@ async def out_after_two_unanswered_checks() -> None:
             assert healthy(view, gone.host) is (check < UNANSWERED_LIMIT)
         assert healthy(view, replicas[1].host)
         await gone.start()  # restarted on the same port
-        assert healthy(await checks.check_all(), gone.host)
+        # Back at the first check it answers (on a busy host, reconnecting can outlast one).
+        for _ in range(3):
+            view = await checks.check_all()
+            if not checks.unanswered[gone.host]:
+                break
+        assert healthy(view, gone.host)
 
 
 def test_a_replica_not_yet_answering_is_not_healthy() -> None:
