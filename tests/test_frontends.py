@@ -1,7 +1,8 @@
 """One replica, two frontend processes over one engine core (`API_SERVER_COUNT=2`), on the
 tiny model: Envoy spreads streams over both, a cancel works whichever frontend it reaches, the
 backlog bound holds for the replica, /metrics is one scrape of both, SIGTERM drains both and
-leaves nothing, and a dead frontend or engine core takes the replica down cleanly."""
+leaves nothing, and a dead frontend or engine core takes the replica down cleanly. Two such
+replicas, each behind an Envoy of its own, hold one tenant's budget in one Redis."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from llmcompletions.v2.completions_pb2 import (
     UnloadLoraAdapterRequest,
 )
 
+from service.api.tenants import hash_key
 from tests.conftest import (
     API_KEY,
     AUTH_HEADERS,
@@ -42,6 +44,7 @@ from tests.conftest import (
 from tests.helpers import CAPITAL_PROMPT, body, grpc_request
 from tests.metrics import sample, scrape
 from tests.processes import TestStack, free_port, healthy_upstreams, stop_helpers
+from tests.redis_server import RedisServer, start_redis
 
 FRONTENDS = 2
 BOUND = 6  # --max-num-queued-reqs: sequences waiting or running in the whole replica
@@ -81,11 +84,38 @@ def frontend_targets(replica: TestStack) -> list[str]:
 
 
 ADAPTER = "a1"
+# A tenant of both replicas' tenants file, its requests a minute counted in their one Redis.
+TEAM_KEY = "fleet-team-key-7771"
+TEAM_RPM = 4
+
+
+@pytest.fixture(scope="module")
+def limits_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    redis = start_redis(tmp_path_factory.mktemp("limits") / "redis.log")
+    try:
+        yield redis
+    finally:
+        redis.stop()
+
+
+@pytest.fixture(scope="module")
+def tenants_args(
+    tmp_path_factory: pytest.TempPathFactory, limits_store: RedisServer
+) -> tuple[str, ...]:
+    """A tenants file beside the replicas' API keys, and the Redis its limits are kept in."""
+    tenants = tmp_path_factory.mktemp("tenants") / "tenants.yaml"
+    key = f"{{id: fleet-team-1, sha256: {hash_key(TEAM_KEY)}}}"
+    tenants.write_text(
+        f"version: 1\ntenants:\n  fleet-team:\n    keys: [{key}]\n    limits: {{rpm: {TEAM_RPM}}}\n"
+    )
+    return ("--tenants-file", str(tenants), "--limits-store", limits_store.url)
 
 
 @pytest.fixture(scope="module")
 def replica(
-    tmp_path_factory: pytest.TempPathFactory, adapter_dirs: dict[str, Path]
+    tmp_path_factory: pytest.TempPathFactory,
+    adapter_dirs: dict[str, Path],
+    tenants_args: tuple[str, ...],
 ) -> Iterator[TestStack]:
     """The module's replica, with Envoy, serving a LoRA adapter too (each frontend registers
     the adapters given at start; the engine core holds their weights), and adapters that come
@@ -95,7 +125,8 @@ def replica(
     runtime = ("--adapter-root", str(directory / "root"), "--enable-adapter-loading")
     (directory / "root").mkdir()
     operator = ("--operator-api-key", OPERATOR_KEY)
-    started = start_replica(directory / "service.log", True, (*lora, *runtime, *operator))
+    extra = (*lora, *runtime, *operator, *tenants_args)
+    started = start_replica(directory / "service.log", True, extra)
     try:
         yield started
     finally:
@@ -362,6 +393,39 @@ def served_by(base_url: str, document: str, questions: int) -> list[str]:
         return list(pool.map(ask, range(questions)))
 
 
+def team_call(base_url: str) -> httpx.Response:
+    payload = body(prompt="Hi", max_tokens=1)
+    headers = {"Authorization": f"Bearer {TEAM_KEY}"}
+    return httpx.post(f"{base_url}/v2/completions", json=payload, headers=headers, timeout=60)
+
+
+def store_errors(replica: TestStack) -> float:
+    found = scrape(replica.metrics_url).items()
+    return sum(v for (name, _), v in found if name == "llmcompletions_limits_store_errors_total")
+
+
+def test_a_tenants_rpm_holds_across_two_replicas_behind_two_envoys_sharing_redis(
+    replica: TestStack, doomed: dict[str, TestStack], limits_store: RedisServer
+) -> None:
+    """The tenant's calls alternate between the replicas' Envoys: each reply's remaining count
+    goes on from the other replica's, the budget is spent in total (not per replica, nor per
+    frontend), and both refuse the next call. With Redis gone, calls pass on both, and each
+    replica counts the store's errors."""
+    pair = [replica, doomed["EngineCore"]]
+    served = [team_call(pair[i % 2].base_url) for i in range(TEAM_RPM)]
+    assert [reply.status_code for reply in served] == [200] * TEAM_RPM, served[-1].text
+    remaining = [int(reply.headers["x-ratelimit-remaining-requests"]) for reply in served]
+    assert remaining == list(reversed(range(TEAM_RPM))), remaining
+    for refused in (team_call(r.base_url) for r in pair):
+        assert refused.status_code == 429, refused.text
+        assert 1 <= int(refused.headers["retry-after"]) <= 60
+    before = [store_errors(r) for r in pair]
+    limits_store.stop()
+    assert [team_call(r.base_url).status_code for r in pair] == [200, 200]  # fails open
+    after = [store_errors(r) for r in pair]
+    assert all(now > then for now, then in zip(after, before, strict=True)), (before, after)
+
+
 def test_the_picker_keeps_a_document_on_one_replica_and_spreads_it_over_its_frontends(
     replica: TestStack, doomed: dict[str, TestStack]
 ) -> None:
@@ -399,11 +463,20 @@ VICTIMS = ("Frontend_1", "EngineCore")
 
 
 @pytest.fixture(scope="module")
-def doomed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, TestStack]]:
-    """A replica for each victim, started side by side (their imports share the cores)."""
+def doomed(
+    tmp_path_factory: pytest.TempPathFactory, tenants_args: tuple[str, ...]
+) -> Iterator[dict[str, TestStack]]:
+    """A replica for each victim, started side by side (their imports share the cores). The
+    engine core's victim is first the module's second replica: behind an Envoy of its own, with
+    the first replica's tenants and limits store."""
     logs = tmp_path_factory.mktemp("doomed")
+
+    def start(victim: str) -> TestStack:
+        second = victim == "EngineCore"
+        return start_replica(logs / f"{victim}.log", second, tenants_args if second else ())
+
     with ThreadPoolExecutor(len(VICTIMS)) as pool:
-        started = list(pool.map(lambda v: start_replica(logs / f"{v}.log", False), VICTIMS))
+        started = list(pool.map(start, VICTIMS))
     try:
         yield dict(zip(VICTIMS, started, strict=True))
     finally:
