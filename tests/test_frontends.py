@@ -84,6 +84,7 @@ def frontend_targets(replica: TestStack) -> list[str]:
 
 
 ADAPTER = "a1"
+DRAIN_SECONDS = 2  # --adapter-drain-seconds: how long an unloaded adapter's calls may run on
 # A tenant of both replicas' tenants file, its requests a minute counted in their one Redis.
 TEAM_KEY = "fleet-team-key-7771"
 TEAM_RPM = 4
@@ -99,16 +100,20 @@ def limits_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 
 
 @pytest.fixture(scope="module")
-def tenants_args(
-    tmp_path_factory: pytest.TempPathFactory, limits_store: RedisServer
-) -> tuple[str, ...]:
-    """A tenants file beside the replicas' API keys, and the Redis its limits are kept in."""
+def tenants_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tenants file, beside the replicas' API keys."""
     tenants = tmp_path_factory.mktemp("tenants") / "tenants.yaml"
     key = f"{{id: fleet-team-1, sha256: {hash_key(TEAM_KEY)}}}"
     tenants.write_text(
         f"version: 1\ntenants:\n  fleet-team:\n    keys: [{key}]\n    limits: {{rpm: {TEAM_RPM}}}\n"
     )
-    return ("--tenants-file", str(tenants), "--limits-store", limits_store.url)
+    return tenants
+
+
+@pytest.fixture(scope="module")
+def tenants_args(tenants_file: Path, limits_store: RedisServer) -> tuple[str, ...]:
+    """The tenants file, its limits kept in the module's Redis."""
+    return ("--tenants-file", str(tenants_file), "--limits-store", limits_store.url)
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +128,7 @@ def replica(
     directory = tmp_path_factory.mktemp("frontends")
     lora = ("--lora-modules", f"{ADAPTER}={adapter_dirs[ADAPTER]}", "--max-loras", "1")
     runtime = ("--adapter-root", str(directory / "root"), "--enable-adapter-loading")
+    runtime += ("--adapter-drain-seconds", str(DRAIN_SECONDS))
     (directory / "root").mkdir()
     operator = ("--operator-api-key", OPERATOR_KEY)
     extra = (*lora, *runtime, *operator, *tenants_args)
@@ -235,6 +241,32 @@ def test_adapters_loaded_and_unloaded_at_runtime_reach_both_frontends(
     assert adapter_texts(replica, "runtime") == [grpc.StatusCode.NOT_FOUND] * FRONTENDS
     shutil.copytree(staged, root / "dropped")
     assert adapter_texts(replica, "dropped") == [start_text, start_text]
+
+
+def test_a_call_outlasting_an_unloads_drain_ends_naming_the_unload(
+    replica: TestStack, adapter_dirs: dict[str, Path]
+) -> None:
+    """The unload reaches one frontend, the adapter's stream runs on the other: past the drain
+    the stream ends with ABORTED naming the unload, and then the unload answers."""
+    root = Path(replica.service_args[replica.service_args.index("--adapter-root") + 1])
+    staged = shutil.copytree(adapter_dirs[ADAPTER], root / ".draining")
+    first, second = frontend_targets(replica)
+    operator = (("authorization", f"Bearer {OPERATOR_KEY}"),)
+    with grpc.insecure_channel(first) as channel:
+        stub = completions_pb2_grpc.CompletionServiceStub(channel)
+        load = LoadLoraAdapterRequest(lora_name="draining", lora_path=str(staged))
+        stub.LoadLoraAdapter(load, metadata=operator, timeout=120)
+        call = long_stream(second, f"frontends-{uuid.uuid4().hex}", model="draining")
+        unloading = time.monotonic()
+        unload = UnloadLoraAdapterRequest(lora_name="draining")
+        stub.UnloadLoraAdapter(unload, metadata=operator, timeout=120)
+    answered = time.monotonic() - unloading
+    with pytest.raises(grpc.RpcError) as ended:
+        list(call)
+    assert ended.value.code() == grpc.StatusCode.ABORTED
+    assert "`draining` was unloaded while this call ran" in (ended.value.details() or "")
+    assert DRAIN_SECONDS <= answered < DRAIN_SECONDS + 30, answered
+    wait_for_unfinished(replica, 0)
 
 
 def test_the_engine_cores_way_to_each_frontend_stays_open_while_it_serves(
@@ -426,6 +458,36 @@ def test_a_tenants_rpm_holds_across_two_replicas_behind_two_envoys_sharing_redis
     assert all(now > then for now, then in zip(after, before, strict=True)), (before, after)
 
 
+def team_grpc_call(target: str) -> tuple[grpc.StatusCode, dict[str, str]]:
+    """The tenant's call to one frontend: its status, and its reply's headers."""
+    with grpc.insecure_channel(target) as channel:
+        stub = completions_pb2_grpc.CompletionServiceStub(channel)
+        auth = (("authorization", f"Bearer {TEAM_KEY}"),)
+        call = stub.CreateCompletion(
+            grpc_request(prompt="Hi", max_tokens=1), timeout=60, metadata=auth
+        )
+        try:
+            list(call)
+        except grpc.RpcError as error:
+            return error.code(), {}
+        return grpc.StatusCode.OK, {k: str(v) for k, v in call.initial_metadata()}
+
+
+def test_a_tenants_rpm_held_in_memory_counts_both_frontends_of_the_replica(
+    doomed: dict[str, TestStack],
+) -> None:
+    """memory:// with two frontends: the calls alternate between them, and the remaining count
+    goes on from one to the other (the parent holds the windows), so the budget is the
+    replica's, not each frontend's."""
+    targets = frontend_targets(doomed["Frontend_1"])
+    served = [team_grpc_call(targets[i % 2]) for i in range(TEAM_RPM)]
+    assert [code for code, _ in served] == [grpc.StatusCode.OK] * TEAM_RPM
+    remaining = [int(headers["x-ratelimit-remaining-requests"]) for _, headers in served]
+    assert remaining == list(reversed(range(TEAM_RPM))), remaining
+    refused = [team_grpc_call(target)[0] for target in targets]
+    assert refused == [grpc.StatusCode.RESOURCE_EXHAUSTED] * FRONTENDS
+
+
 def test_the_picker_keeps_a_document_on_one_replica_and_spreads_it_over_its_frontends(
     replica: TestStack, doomed: dict[str, TestStack]
 ) -> None:
@@ -464,16 +526,18 @@ VICTIMS = ("Frontend_1", "EngineCore")
 
 @pytest.fixture(scope="module")
 def doomed(
-    tmp_path_factory: pytest.TempPathFactory, tenants_args: tuple[str, ...]
+    tmp_path_factory: pytest.TempPathFactory, tenants_file: Path, tenants_args: tuple[str, ...]
 ) -> Iterator[dict[str, TestStack]]:
     """A replica for each victim, started side by side (their imports share the cores). The
     engine core's victim is first the module's second replica: behind an Envoy of its own, with
-    the first replica's tenants and limits store."""
+    the first replica's tenants and limits store. The frontend's keeps the same tenants' limits
+    in memory."""
     logs = tmp_path_factory.mktemp("doomed")
 
     def start(victim: str) -> TestStack:
-        second = victim == "EngineCore"
-        return start_replica(logs / f"{victim}.log", second, tenants_args if second else ())
+        if victim == "EngineCore":
+            return start_replica(logs / f"{victim}.log", True, tenants_args)
+        return start_replica(logs / f"{victim}.log", False, ("--tenants-file", str(tenants_file)))
 
     with ThreadPoolExecutor(len(VICTIMS)) as pool:
         started = list(pool.map(start, VICTIMS))

@@ -1,7 +1,8 @@
 """Tenants' limits per minute: completion and chat requests (rpm), and their tokens (tpm:
 prompt and completion tokens, every choice's), in fixed windows of a minute that the `limits`
-library keeps: in memory (exact on one replica) or in a shared store (a Redis URL: one budget
-per tenant across every replica).
+library keeps: in memory (exact on one replica: with several frontend processes, in its
+parent's, service/api/shared_windows.py) or in a shared store (a Redis URL: one budget per
+tenant across every replica).
 
 A request is counted as it arrives and refused before any work once the tenant's requests or
 tokens of the window are spent; its tokens are charged as the transport learns them (a
@@ -25,10 +26,13 @@ from limits.errors import ConfigurationError
 from limits.storage import storage_from_string
 
 from service.api.errors import CompletionError
+from service.api.shared_windows import FrontendsStorage
 from service.api.tenants import Caller
 
 logger = logging.getLogger(__name__)
 DEFAULT_STORE = "memory://"
+# Defining it registers its scheme with `limits`: a frontend's store may be its parent's.
+STORES = (FrontendsStorage,)
 
 
 class RateLimitedError(CompletionError):
@@ -80,7 +84,7 @@ Counted = Callable[[str, str], None]
 def store_options(store: str) -> dict[str, object]:
     """A Redis store through redis-py's asyncio client, giving up on a call after half a
     second (a store that hangs must not hold every tenant's calls)."""
-    if not store.startswith("redis"):
+    if not store.startswith("redis"):  # memory://, or its parent's for a frontend
         return {}
     return {"implementation": "redispy", "socket_connect_timeout": 0.5, "socket_timeout": 0.5}
 

@@ -16,6 +16,7 @@ import signal
 import socket
 import tempfile
 import time
+from dataclasses import replace
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -25,6 +26,8 @@ from prometheus_client import multiprocess
 from vllm.platforms import current_platform
 
 from service.api.backlog import ReplicaTally
+from service.api.rate_limits import DEFAULT_STORE
+from service.api.shared_windows import ServedWindows, store_url
 from service.model.frontends import EngineCore, FrontendLink, launch_engine_core
 from service.model.placement import confine_engine_core
 from service.settings import EngineSettings, ServerSettings
@@ -81,6 +84,12 @@ class Frontends:
         self.context = multiprocessing.get_context("spawn")
         self.tally = self.context.RawArray("q", ReplicaTally.FIELDS * count)
         self.processes: list[BaseProcess] = []
+        self.windows: ServedWindows | None = None
+        if server.tenants_file is not None and server.limits_store == DEFAULT_STORE:
+            # Tenants' windows in memory: one set for the replica, not one per frontend.
+            path = str(Path(self.sockets_dir.name, "windows.sock"))
+            self.windows = ServedWindows(path)
+            self.server = replace(server, limits_store=store_url(path))
 
     def role(self, link: FrontendLink) -> FrontendRole:
         siblings = tuple(path for i, path in enumerate(self.sockets) if i != link.index)
@@ -115,6 +124,8 @@ class Frontends:
                 process.join()
             if process.pid is not None:
                 multiprocess.mark_process_dead(process.pid)
+        if self.windows is not None:
+            self.windows.close()
         self.sockets_dir.cleanup()
         return all(process.exitcode == 0 for process in self.processes)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from service.api.rate_limits import RateLimitedError, TenantLimits
+from service.api.shared_windows import ServedWindows, store_url
 from service.api.tenants import (
     Caller,
     Limits,
@@ -176,6 +177,43 @@ def test_a_spent_limit_refuses_with_the_seconds_until_its_window_frees() -> None
             await limits.admit(metered)
 
     asyncio.run(scenario())
+
+
+def test_a_replicas_frontends_share_its_parents_windows(tmp_path: Path) -> None:
+    """Two frontends' limiters on the parent's windows (over its socket) spend one budget;
+    with the parent gone, calls pass and the store's errors are counted."""
+    path = str(tmp_path / "windows.sock")
+    windows = ServedWindows(path)
+    counted: list[tuple[str, str]] = []
+
+    async def scenario() -> None:
+        first, second = (
+            TenantLimits(store_url(path), counted=lambda *c: counted.append(c)) for _ in range(2)
+        )
+        caller = Caller("shared", "k", None, Limits(rpm=3, tpm=100))
+        remaining = []
+        for limits in (first, second, first):
+            requests, _ = await limits.admit(caller)
+            remaining.append(requests.remaining)
+        assert remaining == [2, 1, 0]
+        with pytest.raises(RateLimitedError, match="rpm"):
+            await second.admit(caller)
+        second.charge(caller, 70)
+        await asyncio.gather(*second.charges)
+        other = Caller("shared", "k", None, Limits(tpm=100))
+        (tokens,) = await first.admit(other)
+        assert tokens.remaining == 30  # charged through one frontend, seen by the other
+        fresh = TenantLimits(
+            store_url(str(tmp_path / "gone.sock")), counted=lambda *c: counted.append(c)
+        )
+        assert await fresh.admit(caller) == ()  # no parent: the call passes
+        assert counted and counted[-1][0] == "store"
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        windows.close()
+    assert not Path(path).exists()
 
 
 def test_a_failing_store_lets_calls_pass_or_refuses_them_when_told() -> None:
