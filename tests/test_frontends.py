@@ -219,27 +219,42 @@ def adapter_texts(replica: TestStack, model: str) -> list[str | grpc.StatusCode]
     return texts
 
 
+OPERATOR_AUTH = (("authorization", f"Bearer {OPERATOR_KEY}"),)
+
+
+def staged_adapter(replica: TestStack, adapter_dirs: dict[str, Path], name: str) -> Path:
+    """A copy of the adapter in a hidden (unserved) directory of the replica's root."""
+    root = Path(replica.service_args[replica.service_args.index("--adapter-root") + 1])
+    return Path(shutil.copytree(adapter_dirs[ADAPTER], root / name))
+
+
+def load_adapter(target: str, name: str, path: Path) -> None:
+    with grpc.insecure_channel(target) as channel:
+        stub = completions_pb2_grpc.CompletionServiceStub(channel)
+        load = LoadLoraAdapterRequest(lora_name=name, lora_path=str(path))
+        stub.LoadLoraAdapter(load, metadata=OPERATOR_AUTH, timeout=120)
+
+
+def unload_adapter(target: str, name: str) -> None:
+    with grpc.insecure_channel(target) as channel:
+        stub = completions_pb2_grpc.CompletionServiceStub(channel)
+        unload = UnloadLoraAdapterRequest(lora_name=name)
+        stub.UnloadLoraAdapter(unload, metadata=OPERATOR_AUTH, timeout=120)
+
+
 def test_adapters_loaded_and_unloaded_at_runtime_reach_both_frontends(
     replica: TestStack, adapter_dirs: dict[str, Path]
 ) -> None:
     """A load or unload reaching one frontend is done by both (each keeps its own table of
     adapters over the one engine); one dropped into the root is served by both."""
-    root = Path(replica.service_args[replica.service_args.index("--adapter-root") + 1])
-    staged = shutil.copytree(adapter_dirs[ADAPTER], root / ".staging")
+    staged = staged_adapter(replica, adapter_dirs, ".staging")
     start_text = adapter_texts(replica, ADAPTER)[0]
     first, second = frontend_targets(replica)
-    operator = (("authorization", f"Bearer {OPERATOR_KEY}"),)
-    with grpc.insecure_channel(first) as channel:
-        stub = completions_pb2_grpc.CompletionServiceStub(channel)
-        load = LoadLoraAdapterRequest(lora_name="runtime", lora_path=str(staged))
-        stub.LoadLoraAdapter(load, metadata=operator, timeout=120)
+    load_adapter(first, "runtime", staged)
     assert adapter_texts(replica, "runtime") == [start_text, start_text]
-    with grpc.insecure_channel(second) as channel:
-        stub = completions_pb2_grpc.CompletionServiceStub(channel)
-        unload = UnloadLoraAdapterRequest(lora_name="runtime")
-        stub.UnloadLoraAdapter(unload, metadata=operator, timeout=120)
+    unload_adapter(second, "runtime")
     assert adapter_texts(replica, "runtime") == [grpc.StatusCode.NOT_FOUND] * FRONTENDS
-    shutil.copytree(staged, root / "dropped")
+    shutil.copytree(staged, staged.parent / "dropped")
     assert adapter_texts(replica, "dropped") == [start_text, start_text]
 
 
@@ -248,18 +263,11 @@ def test_a_call_outlasting_an_unloads_drain_ends_naming_the_unload(
 ) -> None:
     """The unload reaches one frontend, the adapter's stream runs on the other: past the drain
     the stream ends with ABORTED naming the unload, and then the unload answers."""
-    root = Path(replica.service_args[replica.service_args.index("--adapter-root") + 1])
-    staged = shutil.copytree(adapter_dirs[ADAPTER], root / ".draining")
     first, second = frontend_targets(replica)
-    operator = (("authorization", f"Bearer {OPERATOR_KEY}"),)
-    with grpc.insecure_channel(first) as channel:
-        stub = completions_pb2_grpc.CompletionServiceStub(channel)
-        load = LoadLoraAdapterRequest(lora_name="draining", lora_path=str(staged))
-        stub.LoadLoraAdapter(load, metadata=operator, timeout=120)
-        call = long_stream(second, f"frontends-{uuid.uuid4().hex}", model="draining")
-        unloading = time.monotonic()
-        unload = UnloadLoraAdapterRequest(lora_name="draining")
-        stub.UnloadLoraAdapter(unload, metadata=operator, timeout=120)
+    load_adapter(first, "draining", staged_adapter(replica, adapter_dirs, ".draining"))
+    call = long_stream(second, f"frontends-{uuid.uuid4().hex}", model="draining")
+    unloading = time.monotonic()
+    unload_adapter(first, "draining")
     answered = time.monotonic() - unloading
     with pytest.raises(grpc.RpcError) as ended:
         list(call)
