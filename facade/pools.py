@@ -38,6 +38,7 @@ class Pool:
     # Names of adapters the pool may gain while it serves: exact, or a prefix ending in `*`.
     adapter_patterns: tuple[str, ...] = ()
     frontend_ports: tuple[tuple[int, ...], ...] = ()  # replicas with several frontends
+    listing: bytes = b""  # its ListModelsResponse at launch, serialized
 
     @property
     def cluster(self) -> str:
@@ -134,7 +135,11 @@ def checked(pool: Pool, listing: ListModelsResponse) -> Pool:
             f"pool {pool.name!r} serves base model(s) {bases}: name each pool after the "
             "served name of its base model (--served-model-name)"
         )
-    return dataclasses.replace(pool, models=tuple(model.id for model in listing.data))
+    return dataclasses.replace(
+        pool,
+        models=tuple(model.id for model in listing.data),
+        listing=listing.SerializeToString(),
+    )
 
 
 def discover(

@@ -30,10 +30,11 @@ from facade.envoy_config import (
     cluster_named,
     filter_config,
     grpc_route,
+    http_filters,
     replica_clusters,
     routes,
 )
-from facade.pools import Pool
+from facade.pools import MAX_LISTING_HEADER_BYTES, Pool
 from facade.tls import (
     UpstreamTls,
     listener_transport_socket,
@@ -46,6 +47,11 @@ from plumbing.tls import TlsSettings
 ENVOY_TEMPLATE = FACADE_DIR.parent / "envoy.yaml"
 LUA_FILE = FACADE_DIR / "completions.lua"
 OPENAPI_FILE = FACADE_DIR / "openapi.json"
+LISTING_LUA_FILE = FACADE_DIR / "endpoint_listing.lua"
+LISTING_FILTER = "llmcompletions.endpoint_listing"
+ROUTER_FILTER = "envoy.filters.http.router"
+# How long a ListModels waits for each pool's own listing (else the pool's from launch).
+LISTING_TIMEOUT_MS = 2000
 TEMPLATE = yaml.safe_load(ENVOY_TEMPLATE.read_text())
 # The ports of envoy.yaml, the one place they are written.
 DEFAULT_HTTP_PORT: int = TEMPLATE["static_resources"]["listeners"][0]["address"]["socket_address"][
@@ -188,17 +194,54 @@ def model_route(template: dict[str, Any], model: str, cluster: str) -> dict[str,
 
 def any_pool_route(template: dict[str, Any], listing: str) -> dict[str, Any]:
     """Calls no pool owns: ListModels and names no pool serves. The replica that answers
-    lists (or names in its 404) every pool's models, from the listing passed with the call."""
+    lists (or names in its 404) every pool's models, from the listing passed with the call:
+    for ListModels the one the listing filter asked of the pools, else the one from launch."""
     route = copy.deepcopy(template)
     route["route"]["cluster"] = ANY_POOL_CLUSTER
     route["request_headers_to_add"] = [
         *route["request_headers_to_add"],
         {
             "header": {"key": ENDPOINT_MODELS_HEADER, "value": listing},
-            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+            "append_action": "ADD_IF_ABSENT",
         },
     ]
     return route
+
+
+def lua_bytes(data: bytes) -> str:
+    """`data` as a Lua string literal (decimal escapes: any byte, in any Lua)."""
+    return '"' + "".join(f"\\{byte:03d}" for byte in data) + '"'
+
+
+def listing_lua(pools: Sequence[Pool]) -> str:
+    """endpoint_listing.lua, with the pools it asks and what each listed at launch."""
+    entries = "".join(
+        f"  {{ cluster = {lua_bytes(pool.cluster.encode())}, "
+        f"at_launch = {lua_bytes(pool.listing)} }},\n"
+        for pool in pools
+    )
+    return (
+        f"LISTING_POOLS = {{\n{entries}}}\n"
+        f"MAX_LISTING_HEADER_BYTES = {MAX_LISTING_HEADER_BYTES}\n"
+        f"LISTING_TIMEOUT_MS = {LISTING_TIMEOUT_MS}\n"
+        f"{LISTING_LUA_FILE.read_text()}"
+    )
+
+
+def add_live_listing(config: dict[str, Any], pools: Sequence[Pool]) -> None:
+    """Before the router: ListModels lists what the pools serve when it is called."""
+    filters = http_filters(config)
+    router = [f["name"] for f in filters].index(ROUTER_FILTER)
+    filters.insert(
+        router,
+        {
+            "name": LISTING_FILTER,
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
+                "default_source_code": {"inline_string": listing_lua(pools)},
+            },
+        },
+    )
 
 
 def route_by_model(config: dict[str, Any], pools: Sequence[Pool], listing: str) -> None:
@@ -234,6 +277,7 @@ def configure_routing(
     (unless least request was asked for), with the replica picker at `picker`."""
     if pools:
         route_by_model(config, pools, listing)
+        add_live_listing(config, pools)
     if affinity is not None:
         add_prefix_affinity(config, affinity)
     picked = affinity is not None and affinity.picker and picker is not None

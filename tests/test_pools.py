@@ -7,6 +7,7 @@ tests/unit/test_pool_discovery.py.)"""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,9 +23,16 @@ import grpc
 import httpx
 import openai
 import pytest
+from grpc_health.v1 import health, health_pb2_grpc
 from llmcompletions.v2 import completions_pb2_grpc
-from llmcompletions.v2.completions_pb2 import GetModelInfoRequest, ListModelsRequest
+from llmcompletions.v2.completions_pb2 import (
+    GetModelInfoRequest,
+    ListModelsRequest,
+    ListModelsResponse,
+    Model,
+)
 
+from plumbing.headers import ENDPOINT_MODELS_HEADER
 from tests.conftest import (
     API_KEY,
     AUTH_HEADERS,
@@ -35,7 +44,7 @@ from tests.conftest import (
 )
 from tests.helpers import CAPITAL_PROMPT, grpc_request
 from tests.metrics import scrape
-from tests.processes import TestStack, free_port, stop_helpers
+from tests.processes import TestStack, free_port, lua_errors, stop_helpers
 from tests.test_grpc_tooling import grpcurl
 
 ALPHA, BETA = MODEL, LORA_MODEL
@@ -44,6 +53,7 @@ OWNER = {ALPHA: ALPHA, BETA: BETA, ADAPTER: BETA, "a2": BETA}
 GREEDY = {"prompt": CAPITAL_PROMPT, "max_tokens": 6, "temperature": 0}
 # Adapters the adapter stack gains while it serves: named so, they are routed to its pool.
 LATER_ADAPTERS = "pool-later-"
+STOPPED_POOL = "gamma"
 # The default stack needs a key: every call carries it (the adapter stack ignores it).
 LAUNCH_ENV = {**os.environ, "API_KEY": API_KEY}
 
@@ -184,6 +194,60 @@ def test_every_pool_is_listed_on_both_surfaces(
     assert {model.id for model in grpc_listing.data} == set(OWNER)
 
 
+def test_a_listing_a_caller_passes_along_is_ignored(
+    endpoint: Endpoint, stub: completions_pb2_grpc.CompletionServiceStub
+) -> None:
+    forged = ListModelsResponse(data=[Model(id="forged")]).SerializeToString()
+    reply = httpx.get(
+        f"{endpoint.base_url}/v2/models",
+        headers={**AUTH_HEADERS, ENDPOINT_MODELS_HEADER: base64.b64encode(forged).decode()},
+        timeout=30,
+    )
+    assert {model["id"] for model in reply.json()["data"]} == set(OWNER)
+    metadata = (*GRPC_AUTH, (ENDPOINT_MODELS_HEADER, forged))
+    grpc_listing = stub.ListModels(ListModelsRequest(), timeout=30, metadata=metadata)
+    assert {model.id for model in grpc_listing.data} == set(OWNER)
+
+
+class OneModelPool(completions_pb2_grpc.CompletionServiceServicer):
+    """A pool's replica that serves one base model and answers only ListModels: the pool that
+    goes away in the test below (the launcher needs it to answer at start)."""
+
+    def ListModels(self, request: ListModelsRequest, context: object) -> ListModelsResponse:
+        model = Model(id=STOPPED_POOL)
+        model.parent.null_value = 0
+        return ListModelsResponse(object="list", data=[model])
+
+
+def test_a_pool_that_stops_answering_is_listed_as_at_launch(endpoint: Endpoint) -> None:
+    replica = grpc.server(ThreadPoolExecutor(max_workers=4))
+    completions_pb2_grpc.add_CompletionServiceServicer_to_server(OneModelPool(), replica)
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), replica)
+    port = replica.add_insecure_port("127.0.0.1:0")
+    replica.start()
+    http_port, admin_port = free_port(), free_port()
+    alpha = endpoint.pools[ALPHA].grpc_target
+    launch = [
+        *(sys.executable, "-m", "facade.launch", "--http-port", str(http_port)),
+        *("--admin-port", str(admin_port)),
+        *("--pool", f"{ALPHA}={alpha}", "--pool", f"{STOPPED_POOL}=127.0.0.1:{port}"),
+    ]
+    envoy = subprocess.Popen(launch, env=LAUNCH_ENV)
+    base_url = f"http://127.0.0.1:{http_port}"
+    try:
+        deadline = time.monotonic() + 60
+        while listed_names(base_url) != {ALPHA, STOPPED_POOL}:
+            assert envoy.poll() is None, f"facade.launch exited with {envoy.returncode}"
+            assert time.monotonic() < deadline, "the two pools were not listed"
+            time.sleep(0.5)
+        replica.stop(grace=None).wait()
+        assert listed_names(base_url) == {ALPHA, STOPPED_POOL}
+        assert lua_errors(f"http://127.0.0.1:{admin_port}") == 0
+    finally:
+        replica.stop(grace=None)
+        stop_helpers([envoy])
+
+
 def test_an_unknown_model_is_a_404_naming_every_pools_models(
     endpoint: Endpoint, stub: completions_pb2_grpc.CompletionServiceStub
 ) -> None:
@@ -232,11 +296,24 @@ def test_the_launcher_refuses_pools_it_cannot_route(endpoint: Endpoint) -> None:
     assert f"model '{ALPHA}' is served by pools '{ALPHA}' and '{ALPHA}'" in twice.stderr
 
 
-def test_adapters_a_pool_gains_while_it_serves_are_routed_to_it(
-    endpoint: Endpoint, adapter_dirs: dict[str, Path]
+def listed_on_both_surfaces(
+    endpoint: Endpoint, stub: completions_pb2_grpc.CompletionServiceStub
+) -> set[str]:
+    """The endpoint's listing, the same on REST and gRPC."""
+    grpc_listing = stub.ListModels(ListModelsRequest(), timeout=30, metadata=GRPC_AUTH)
+    rest = listed_names(endpoint.base_url)
+    assert rest == {model.id for model in grpc_listing.data}
+    return rest
+
+
+def test_adapters_a_pool_gains_while_it_serves_are_routed_to_it_and_listed(
+    endpoint: Endpoint,
+    stub: completions_pb2_grpc.CompletionServiceStub,
+    adapter_dirs: dict[str, Path],
 ) -> None:
     """Named by the pool's --pool-adapters pattern: one dropped into its adapter root, and one
-    the operator loads through the endpoint (the load itself routed by the adapter's name)."""
+    the operator loads through the endpoint (the load itself routed by the adapter's name).
+    The endpoint's listing shows each while it is served, and not once it is retired."""
     root = adapter_root_of(adapter_dirs)
     staged = shutil.copytree(adapter_dirs["a2"], root / ".pool-staging")
     dropped, loaded = f"{LATER_ADAPTERS}dropped", f"{LATER_ADAPTERS}loaded"
@@ -261,6 +338,7 @@ def test_adapters_a_pool_gains_while_it_serves_are_routed_to_it(
             )
             assert served.status_code == 200, served.text
             assert served.json()["model"] == name
+        assert listed_on_both_surfaces(endpoint, stub) == {*OWNER, dropped, loaded}
         unload = {"lora_name": loaded}
         reply = httpx.post(
             f"{endpoint.base_url}/v2/unload_lora_adapter",
@@ -269,6 +347,12 @@ def test_adapters_a_pool_gains_while_it_serves_are_routed_to_it(
             timeout=120,
         )
         assert reply.status_code == 200, reply.text
+        assert listed_on_both_surfaces(endpoint, stub) == {*OWNER, dropped}
+        shutil.rmtree(root / dropped)
+        deadline = time.monotonic() + 30
+        while listed_on_both_surfaces(endpoint, stub) != set(OWNER):
+            assert time.monotonic() < deadline, f"{dropped} is still listed, its directory gone"
+            time.sleep(0.5)
     finally:
         shutil.rmtree(root / dropped, ignore_errors=True)
         shutil.rmtree(staged)

@@ -36,12 +36,16 @@ def listing(*names: str) -> ListModelsResponse:
     return ListModelsResponse(object="list", data=[Model(id=name) for name in names])
 
 
-def rendered() -> dict[str, Any]:
+def rendered_for(given: list[Pool]) -> dict[str, Any]:
     config = render.render_config(8080, 9901, [("127.0.0.1", 50051)])
     render.configure_routing(
-        config, pools(), listing_header(listing("alpha", "beta", "beta-sql")), affinity=None
+        config, given, listing_header(listing("alpha", "beta", "beta-sql")), affinity=None
     )
     return config
+
+
+def rendered() -> dict[str, Any]:
+    return rendered_for(pools())
 
 
 def test_the_methods_routed_by_model_are_those_whose_request_names_one() -> None:
@@ -100,8 +104,31 @@ def test_the_model_is_read_after_the_transcoder_and_before_the_router() -> None:
         envoy_config.TRANSCODER,
         "envoy.filters.http.grpc_field_extraction",
         "llmcompletions.routing",
+        render.LISTING_FILTER,
         "envoy.filters.http.router",
     ]
+
+
+def test_listing_calls_ask_each_pool_and_keep_what_it_listed_at_launch() -> None:
+    alpha, beta = (
+        Pool(name, (("h", 1),), listing=listing(name).SerializeToString())
+        for name in ("alpha", "beta")
+    )
+    (listing_filter,) = [
+        f
+        for f in envoy_config.http_filters(rendered_for([alpha, beta]))
+        if f["name"] == render.LISTING_FILTER
+    ]
+    code = listing_filter["typed_config"]["default_source_code"]["inline_string"]
+    # Each pool's cluster, and its launch listing as bytes in a Lua string.
+    assert 'cluster = "\\112\\111\\111\\108\\095\\097' in code  # "pool_a..."
+    for pool in (alpha, beta):
+        assert render.lua_bytes(pool.listing) in code
+    assert "function envoy_on_request" in code
+
+
+def test_lua_bytes_escape_every_byte() -> None:
+    assert render.lua_bytes(b'\x00a"\xff') == '"\\000\\097\\034\\255"'
 
 
 @pytest.mark.parametrize("text", ["alpha", "=h:1", "alpha=", "alpha=host", "alpha=h:1,h"])
