@@ -79,9 +79,10 @@ def may_start(shard: str | None, engine: str) -> bool:
 
 
 def relay(shard: str, lines: Iterable[str], started: float) -> None:
-    """Prints a shard's output under its name, and when it ended."""
+    """Prints a shard's output under its name and the minutes since the run started (which
+    module ran beside which), and when it ended."""
     for line in lines:
-        sys.stdout.write(f"[{shard}] {line}")
+        sys.stdout.write(f"[{shard} {(time.monotonic() - started) / 60:4.1f}] {line}")
         sys.stdout.flush()
     print(f"[{shard}] ended after {(time.monotonic() - started) / 60:.1f} minutes", flush=True)
 

@@ -200,13 +200,16 @@ class Outcome:
 
 
 class Traffic:
-    """Clients sending requests back to back through Envoy: REST (whole and streamed) and
-    native gRPC (streamed); a failed client waits a little before its next request. Besides,
-    a short REST request every TICK seconds, whatever the others do, so that a replica that
-    joins rotation is offered a request at once rather than when a client is next free."""
+    """Clients sending requests through Envoy, each a moment after its last one ended: REST
+    (whole and streamed) and native gRPC (streamed); a failed client waits a little before its
+    next request. Besides, a short REST request every TICK seconds, whatever the others do, so
+    that a replica that joins rotation is offered a request at once rather than when a client
+    is next free. (Requests are in flight at almost every moment, and the replicas' cores,
+    shared with the other shard's engines, are not kept busy throughout.)"""
 
-    KINDS = ("rest", "rest-stream", "grpc-stream") * 2
+    KINDS = ("rest", "rest-stream", "grpc-stream")
     TICK = 0.5
+    PAUSE = 0.25  # between a client's requests
 
     def __init__(self, base_url: str) -> None:
         self.base_url = base_url
@@ -257,8 +260,7 @@ class Traffic:
                 except (httpx.HTTPError, grpc.RpcError) as error:
                     ok, detail = False, f"{type(error).__name__}: {error}"[:300]
                 self.outcomes.append(Outcome(kind, started, time.time(), ok, detail))
-                if not ok:
-                    time.sleep(0.25)
+                time.sleep(self.PAUSE)
 
     @staticmethod
     def _call(
