@@ -298,12 +298,11 @@ def test_the_launcher_refuses_pools_it_cannot_route(endpoint: Endpoint) -> None:
 
 def listed_on_both_surfaces(
     endpoint: Endpoint, stub: completions_pb2_grpc.CompletionServiceStub
-) -> set[str]:
-    """The endpoint's listing, the same on REST and gRPC."""
-    grpc_listing = stub.ListModels(ListModelsRequest(), timeout=30, metadata=GRPC_AUTH)
+) -> tuple[set[str], set[str]]:
+    """The endpoint's listing on REST, then on gRPC."""
     rest = listed_names(endpoint.base_url)
-    assert rest == {model.id for model in grpc_listing.data}
-    return rest
+    grpc_listing = stub.ListModels(ListModelsRequest(), timeout=30, metadata=GRPC_AUTH)
+    return rest, {model.id for model in grpc_listing.data}
 
 
 def test_adapters_a_pool_gains_while_it_serves_are_routed_to_it_and_listed(
@@ -338,7 +337,8 @@ def test_adapters_a_pool_gains_while_it_serves_are_routed_to_it_and_listed(
             )
             assert served.status_code == 200, served.text
             assert served.json()["model"] == name
-        assert listed_on_both_surfaces(endpoint, stub) == {*OWNER, dropped, loaded}
+        listed = {*OWNER, dropped, loaded}
+        assert listed_on_both_surfaces(endpoint, stub) == (listed, listed)
         unload = {"lora_name": loaded}
         reply = httpx.post(
             f"{endpoint.base_url}/v2/unload_lora_adapter",
@@ -347,10 +347,11 @@ def test_adapters_a_pool_gains_while_it_serves_are_routed_to_it_and_listed(
             timeout=120,
         )
         assert reply.status_code == 200, reply.text
-        assert listed_on_both_surfaces(endpoint, stub) == {*OWNER, dropped}
+        listed = {*OWNER, dropped}
+        assert listed_on_both_surfaces(endpoint, stub) == (listed, listed)
         shutil.rmtree(root / dropped)
         deadline = time.monotonic() + 30
-        while listed_on_both_surfaces(endpoint, stub) != set(OWNER):
+        while listed_on_both_surfaces(endpoint, stub) != (set(OWNER), set(OWNER)):
             assert time.monotonic() < deadline, f"{dropped} is still listed, its directory gone"
             time.sleep(0.5)
     finally:
