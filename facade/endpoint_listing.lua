@@ -1,18 +1,21 @@
--- The endpoint's listing for a ListModels call, asked of every pool when the call is made
--- (facade/render.py installs this filter with several pools, and sets LISTING_POOLS,
--- MAX_LISTING_HEADER_BYTES and LISTING_TIMEOUT_MS ahead of this code).
+-- The endpoint's listing for the calls no pool owns (ListModels, and a `model` no pool serves),
+-- asked of every pool when the call is made (facade/render.py installs this filter with
+-- several pools, marks the route of those calls with `live_listing` in its metadata, and sets
+-- LISTING_POOLS, MAX_LISTING_HEADER_BYTES and LISTING_TIMEOUT_MS ahead of this code).
 --
--- The replica that answers a ListModels lists the whole endpoint from the listing Envoy passes
--- with the call (x-endpoint-models-bin, a serialized ListModelsResponse). The route passes the
--- listing learned at launch; for ListModels this filter asks one replica of each pool instead,
--- with the caller's own credentials, so adapters a pool gains or retires while it serves are
--- listed as they come and go. A pool that does not answer is listed as it was at launch.
+-- The replica that answers such a call lists the whole endpoint (or names it in its 404) from
+-- the listing Envoy passes with the call (x-endpoint-models-bin, a serialized
+-- ListModelsResponse). The route passes the listing learned at launch; this filter asks one
+-- replica of each pool instead, with the caller's own credentials, so adapters a pool gains or
+-- retires while it serves are listed as they come and go. A pool that does not answer is
+-- listed as it was at launch.
 -- Serialized protobuf messages of one type, concatenated, are one message whose repeated
 -- fields are appended: the pools' replies together are the endpoint's listing.
 --
 -- One a client sent is dropped on every call, so that no caller can dictate a listing.
 
 local LIST_MODELS = "/llmcompletions.v2.CompletionService/ListModels"
+local LIVE_LISTING = "live_listing"
 local LISTING_HEADER = "x-endpoint-models-bin"
 -- A ListModelsRequest (no fields) in one uncompressed gRPC frame.
 local EMPTY_REQUEST = "\0\0\0\0\0"
@@ -59,7 +62,7 @@ end
 function envoy_on_request(handle)
   local headers = handle:headers()
   headers:remove(LISTING_HEADER)
-  if headers:get(":path") ~= LIST_MODELS then
+  if not handle:metadata():get(LIVE_LISTING) then
     return
   end
   local authorization = headers:get("authorization")

@@ -49,6 +49,7 @@ LUA_FILE = FACADE_DIR / "completions.lua"
 OPENAPI_FILE = FACADE_DIR / "openapi.json"
 LISTING_LUA_FILE = FACADE_DIR / "endpoint_listing.lua"
 LISTING_FILTER = "llmcompletions.endpoint_listing"
+LIVE_LISTING_KEY = "live_listing"  # route metadata, under LISTING_FILTER
 ROUTER_FILTER = "envoy.filters.http.router"
 # How long a ListModels waits for each pool's own listing (else the pool's from launch).
 LISTING_TIMEOUT_MS = 2000
@@ -195,9 +196,11 @@ def model_route(template: dict[str, Any], model: str, cluster: str) -> dict[str,
 def any_pool_route(template: dict[str, Any], listing: str) -> dict[str, Any]:
     """Calls no pool owns: ListModels and names no pool serves. The replica that answers
     lists (or names in its 404) every pool's models, from the listing passed with the call:
-    for ListModels the one the listing filter asked of the pools, else the one from launch."""
+    the one the listing filter asked of the pools, or the one from launch where it has none."""
     route = copy.deepcopy(template)
     route["route"]["cluster"] = ANY_POOL_CLUSTER
+    # The listing filter asks the pools for their models on this route's calls only.
+    route["metadata"] = {"filter_metadata": {LISTING_FILTER: {LIVE_LISTING_KEY: True}}}
     route["request_headers_to_add"] = [
         *route["request_headers_to_add"],
         {
@@ -229,7 +232,8 @@ def listing_lua(pools: Sequence[Pool]) -> str:
 
 
 def add_live_listing(config: dict[str, Any], pools: Sequence[Pool]) -> None:
-    """Before the router: ListModels lists what the pools serve when it is called."""
+    """Before the router: the calls no pool owns (ListModels, a name no pool serves) list
+    what the pools serve when they are made."""
     filters = http_filters(config)
     router = [f["name"] for f in filters].index(ROUTER_FILTER)
     filters.insert(

@@ -312,7 +312,8 @@ def test_adapters_a_pool_gains_while_it_serves_are_routed_to_it_and_listed(
 ) -> None:
     """Named by the pool's --pool-adapters pattern: one dropped into its adapter root, and one
     the operator loads through the endpoint (the load itself routed by the adapter's name).
-    The endpoint's listing shows each while it is served, and not once it is retired."""
+    The endpoint's listing (and a 404's list of names) shows each while it is served, and not
+    once it is retired."""
     root = adapter_root_of(adapter_dirs)
     staged = shutil.copytree(adapter_dirs["a2"], root / ".pool-staging")
     dropped, loaded = f"{LATER_ADAPTERS}dropped", f"{LATER_ADAPTERS}loaded"
@@ -339,6 +340,14 @@ def test_adapters_a_pool_gains_while_it_serves_are_routed_to_it_and_listed(
             assert served.json()["model"] == name
         listed = {*OWNER, dropped, loaded}
         assert listed_on_both_surfaces(endpoint, stub) == (listed, listed)
+        unknown = httpx.post(
+            f"{endpoint.base_url}/v2/completions",
+            json={"model": "no-such-model", **GREEDY},
+            headers=AUTH_HEADERS,
+            timeout=30,
+        )
+        assert unknown.status_code == 404  # naming what the pools serve now
+        assert f"`{dropped}`" in unknown.json()["detail"] and f"`{loaded}`" in unknown.text
         unload = {"lora_name": loaded}
         reply = httpx.post(
             f"{endpoint.base_url}/v2/unload_lora_adapter",

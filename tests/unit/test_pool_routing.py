@@ -88,6 +88,9 @@ def test_each_model_routes_to_its_pool_and_the_rest_to_any_pool_with_the_listing
     assert by_model == {"alpha": "pool_alpha", "beta": "pool_beta", "beta-sql": "pool_beta"}
     fallback = grpc_routes[-1]
     assert fallback["route"]["cluster"] == render.ANY_POOL_CLUSTER
+    # Only the calls no pool owns have the pools asked for their models.
+    live = {"filter_metadata": {render.LISTING_FILTER: {render.LIVE_LISTING_KEY: True}}}
+    assert [route.get("metadata") for route in grpc_routes] == [None] * 3 + [live]
     added = {h["header"]["key"]: h["header"]["value"] for h in fallback["request_headers_to_add"]}
     passed = ListModelsResponse.FromString(base64.b64decode(added[ENDPOINT_MODELS_HEADER]))
     assert [model.id for model in passed.data] == ["alpha", "beta", "beta-sql"]
