@@ -25,7 +25,7 @@ from google.protobuf import json_format
 from llmcompletions.v2 import completions_pb2_grpc
 from llmcompletions.v2.completions_pb2 import CreateCompletionRequest
 
-from bench.slow_consumers import wait_serving
+from bench.servers import wait_serving
 from service.model.default_model import DEFAULT_SERVED_MODEL_NAME
 from tests.processes import free_port
 

@@ -13,8 +13,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import grpc
 import httpx
 import psutil
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.processes import TestStack, free_port
 
@@ -355,3 +357,19 @@ def wait_for(process: subprocess.Popen[bytes], url: str, name: str) -> None:
             pass
         time.sleep(1)
     raise RuntimeError(f"{name} did not start in {START_TIMEOUT} s")
+
+
+def wait_serving(target: str, server: subprocess.Popen[bytes]) -> None:
+    """Until the replica at `target` answers its gRPC health check SERVING."""
+    deadline = time.monotonic() + START_TIMEOUT
+    with grpc.insecure_channel(target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if server.poll() is not None:
+                raise SystemExit("the replica exited while starting")
+            with contextlib.suppress(grpc.RpcError):
+                reply = health.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            time.sleep(0.5)
+    raise SystemExit("the replica did not start")

@@ -14,17 +14,15 @@ import argparse
 import asyncio
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from google.protobuf import json_format
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from llmcompletions.v2 import completions_pb2_grpc
 from llmcompletions.v2.completions_pb2 import CreateCompletionRequest
 
-from bench.servers import cpu_seconds
+from bench.servers import cpu_seconds, wait_serving
 from service.model.default_model import DEFAULT_SERVED_MODEL_NAME
 from tests.processes import free_port
 
@@ -32,7 +30,6 @@ STREAMS = 64
 TOKENS = 128
 STOP_SECONDS = 10.0
 SMALL_WINDOW = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
-READY_SECONDS = 600
 
 
 @dataclass
@@ -82,21 +79,6 @@ def measure(target: str, server_pid: int, pause: float) -> Load:
     asyncio.run(streams(target, pause, load))
     load.cpu = cpu_seconds(server_pid) - before
     return load
-
-
-def wait_serving(target: str, server: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + READY_SECONDS
-    with grpc.insecure_channel(target) as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if server.poll() is not None:
-                raise SystemExit("the replica exited while starting")
-            try:
-                if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
-                    return
-            except grpc.RpcError:
-                time.sleep(0.5)
-    raise SystemExit("the replica did not start")
 
 
 def main() -> None:

@@ -1,10 +1,11 @@
 -- The endpoint's listing for the calls no pool owns (ListModels, and a `model` no pool serves),
 -- asked of every pool when the call is made (facade/render.py installs this filter with
--- several pools, marks the route of those calls with `live_listing` in its metadata, and sets
--- LISTING_POOLS, MAX_LISTING_HEADER_BYTES and LISTING_TIMEOUT_MS ahead of this code).
+-- several pools, marks the route of those calls with LIVE_LISTING in its metadata, and sets
+-- LISTING_POOLS, LISTING_HEADER, LIST_MODELS, LIVE_LISTING, MAX_LISTING_HEADER_BYTES and
+-- LISTING_TIMEOUT_MS ahead of this code).
 --
 -- The replica that answers such a call lists the whole endpoint (or names it in its 404) from
--- the listing Envoy passes with the call (x-endpoint-models-bin, a serialized
+-- the listing Envoy passes with the call (LISTING_HEADER, a serialized
 -- ListModelsResponse). The route passes the listing learned at launch; this filter asks one
 -- replica of each pool instead, with the caller's own credentials, so adapters a pool gains or
 -- retires while it serves are listed as they come and go. A pool that does not answer is
@@ -14,9 +15,6 @@
 --
 -- One a client sent is dropped on every call, so that no caller can dictate a listing.
 
-local LIST_MODELS = "/llmcompletions.v2.CompletionService/ListModels"
-local LIVE_LISTING = "live_listing"
-local LISTING_HEADER = "x-endpoint-models-bin"
 -- A ListModelsRequest (no fields) in one uncompressed gRPC frame.
 local EMPTY_REQUEST = "\0\0\0\0\0"
 

@@ -15,6 +15,7 @@ import yaml
 from facade.addresses import Address, is_ip_address
 from facade.balancing import (
     MODEL_HEADER,
+    SERVICE,
     PickerAddress,
     PrefixAffinity,
     add_cancel_routes,
@@ -51,8 +52,9 @@ LISTING_LUA_FILE = FACADE_DIR / "endpoint_listing.lua"
 LISTING_FILTER = "llmcompletions.endpoint_listing"
 LIVE_LISTING_KEY = "live_listing"  # route metadata, under LISTING_FILTER
 ROUTER_FILTER = "envoy.filters.http.router"
-# How long a ListModels waits for each pool's own listing (else the pool's from launch).
+# How long a call no pool owns waits for each pool's own listing (else the pool's from launch).
 LISTING_TIMEOUT_MS = 2000
+LIST_MODELS_PATH = f"/{SERVICE.full_name}/ListModels"
 TEMPLATE = yaml.safe_load(ENVOY_TEMPLATE.read_text())
 # The ports of envoy.yaml, the one place they are written.
 DEFAULT_HTTP_PORT: int = TEMPLATE["static_resources"]["listeners"][0]["address"]["socket_address"][
@@ -225,6 +227,9 @@ def listing_lua(pools: Sequence[Pool]) -> str:
     )
     return (
         f"LISTING_POOLS = {{\n{entries}}}\n"
+        f"LISTING_HEADER = {lua_bytes(ENDPOINT_MODELS_HEADER.encode())}\n"
+        f"LIST_MODELS = {lua_bytes(LIST_MODELS_PATH.encode())}\n"
+        f"LIVE_LISTING = {lua_bytes(LIVE_LISTING_KEY.encode())}\n"
         f"MAX_LISTING_HEADER_BYTES = {MAX_LISTING_HEADER_BYTES}\n"
         f"LISTING_TIMEOUT_MS = {LISTING_TIMEOUT_MS}\n"
         f"{LISTING_LUA_FILE.read_text()}"

@@ -200,9 +200,8 @@ class Outcome:
 
 
 class Traffic:
-    """Clients sending requests through Envoy, each a moment after its last one ended: REST
-    (whole and streamed) and native gRPC (streamed); a failed client waits a little before its
-    next request. Besides, a short REST request every TICK seconds, whatever the others do, so
+    """Clients sending requests through Envoy, each PAUSE after its last one ended (failed or
+    not): REST (whole and streamed) and native gRPC (streamed). Besides, a short REST request every TICK seconds, whatever the others do, so
     that a replica that joins rotation is offered a request at once rather than when a client
     is next free. (Requests are in flight at almost every moment, and the replicas' cores,
     shared with the other shard's engines, are not kept busy throughout.)"""
