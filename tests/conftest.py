@@ -84,7 +84,7 @@ LATE_MODULES = (
     "test_adapters.py",  # the adapter stack and vLLM's with adapters
     "test_runtime_adapters.py",  # the adapter stack (it puts away every adapter it adds)
     "test_pools.py",  # the default stack and the adapter stack as two pools
-    "test_fleet_adapters.py",  # the fleet
+    "test_fleet_adapters.py",  # a pair of its own, stopped before the fleet starts
     "test_tracing.py",  # the fleet (its last test stops the fleet's span receiver)
     "test_prefix_routing.py",  # the fleet (its last test kills a replica)
     "test_engine_death.py",  # the fleet's other replica: its engine is killed
@@ -146,12 +146,10 @@ class ReadyStack:
 
 
 @dataclass
-class FleetReplicas:
-    """Two replicas, each on a core of its own, sending their spans to `receiver`."""
+class ReplicaPair:
+    """Two replicas of the small engine, each on a core of its own."""
 
     replicas: list[TestStack]
-    receiver: OtlpReceiver
-    adapter_root: Path  # the adapter root both replicas serve
 
     def wait_ready(self) -> None:
         for replica in self.replicas:
@@ -160,10 +158,20 @@ class FleetReplicas:
     def stop(self) -> None:
         for replica in self.replicas:
             replica.stop()
-        self.receiver.stop()
 
     def alive(self) -> list[TestStack]:
         return [r for r in self.replicas if r.processes and r.processes[0].poll() is None]
+
+
+@dataclass
+class FleetReplicas(ReplicaPair):
+    """The fleet: two replicas sending their spans to `receiver`."""
+
+    receiver: OtlpReceiver
+
+    def stop(self) -> None:
+        super().stop()
+        self.receiver.stop()
 
 
 @dataclass
@@ -295,32 +303,39 @@ def start_vllm_lora(model_dir: Path, adapter_dirs: dict[str, Path]) -> Engine:
     )
 
 
+def pinned_replica(
+    engine: str, core: int, log: Path, service_args: list[str], env: dict[str, str] | None = None
+) -> TestStack:
+    """A replica of the small engine on one core, started without Envoy. Each replica of a
+    pair gets a core of its own: vLLM's automatic binding would put both on the same one, and
+    one would starve."""
+    replica = TestStack(
+        grpc_port=free_port(),
+        service_args=[
+            *SMALL_ENGINE,
+            *("--cpu-cores", str(core)),
+            *("--metrics-port", str(free_port())),
+            *service_args,
+        ],
+        env=env,
+        service_log=log,
+        engine=engine,
+    )
+    replica.start(with_envoy=False)
+    return replica
+
+
 def start_fleet(logs: Path) -> Engine:
+    """No adapters: on vLLM's CPU build a replica that can load them runs its base-model
+    calls 1.6-3.5 times slower (bench.adapter_root_cost), and the routing tests are base-model
+    calls (tests/test_fleet_adapters.py has a pair of its own)."""
     receiver = OtlpReceiver()
-    adapter_root = logs / "fleet-adapters"  # one root both replicas follow, as a shared volume
-    adapter_root.mkdir()
+    tracing = ["--otlp-traces-endpoint", receiver.endpoint]
     replicas = [
-        TestStack(
-            grpc_port=free_port(),
-            service_args=[
-                *SMALL_ENGINE,
-                # Each replica on a core of its own: vLLM's automatic binding would put both
-                # on the same one, and one would starve.
-                *("--cpu-cores", str(core)),
-                *("--metrics-port", str(free_port())),
-                *("--otlp-traces-endpoint", receiver.endpoint),
-                *("--adapter-root", str(adapter_root), "--enable-adapter-loading"),
-                *("--operator-api-key", OPERATOR_KEY),
-            ],
-            env=TRACE_BATCH_ENV,
-            service_log=logs / f"fleet-replica-{core}.log",
-            engine="fleet",
-        )
+        pinned_replica("fleet", core, logs / f"fleet-replica-{core}.log", tracing, TRACE_BATCH_ENV)
         for core in range(2)
     ]
-    for replica in replicas:
-        replica.start(with_envoy=False)
-    return FleetReplicas(replicas, receiver, adapter_root)
+    return FleetReplicas(replicas, receiver)
 
 
 def start_small(model_dir: Path, logs: Path) -> Engine:

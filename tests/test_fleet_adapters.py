@@ -1,7 +1,8 @@
-"""Adapters across the session's fleet of two real replicas behind a real Envoy and its
-picker: a load or unload through Envoy reaches both replicas and says so, an adapter dropped
-into the root both follow is served by each, an adapter's calls go to the replica holding it
-and spill past the load bound, and an unload under traffic answers no call with a 5xx. (One
+"""Adapters across a fleet of two real replicas behind a real Envoy and its picker (a pair of
+the module's own, following one adapter root; no adapter at start): a load or unload through
+Envoy reaches both replicas and says so, an adapter dropped into the root both follow is
+served by each, an adapter's calls go to the replica holding it and spill past the load
+bound, and an unload under traffic answers no call with a 5xx. (One
 replica's runtime adapters in depth: tests/test_runtime_adapters.py.)"""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -18,26 +20,49 @@ import httpx
 import pytest
 from llmcompletions.v2 import completions_pb2_grpc
 
-from tests.conftest import MODEL, OPERATOR_KEY, FleetReplicas
+from tests.conftest import MODEL, OPERATOR_KEY, ReplicaPair, pinned_replica
 from tests.helpers import CAPITAL_PROMPT, grpc_request
 from tests.test_prefix_routing import HOST_HEADER, Fleet, facade
 
 OPERATOR = {"Authorization": f"Bearer {OPERATOR_KEY}"}
 
 
+@dataclass
+class AdapterFleet(ReplicaPair):
+    adapter_root: Path  # the root both replicas follow, as a shared volume
+
+
 @pytest.fixture(scope="module")
-def fleet(fleet_replicas: FleetReplicas) -> Iterator[Fleet]:
-    with facade(fleet_replicas.replicas) as running:
+def adapter_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AdapterFleet]:
+    logs = tmp_path_factory.mktemp("adapter-fleet")
+    root = logs / "root"
+    root.mkdir()
+    runtime = ["--adapter-root", str(root), "--enable-adapter-loading"]
+    runtime += ["--operator-api-key", OPERATOR_KEY]
+    pair = AdapterFleet(
+        [
+            pinned_replica("adapter-fleet", core, logs / f"replica-{core}.log", runtime)
+            for core in range(2)
+        ],
+        root,
+    )
+    try:
+        pair.wait_ready()
+        yield pair
+    finally:
+        pair.stop()
+
+
+@pytest.fixture(scope="module")
+def fleet(adapter_fleet: AdapterFleet) -> Iterator[Fleet]:
+    with facade(adapter_fleet.replicas) as running:
         yield running
 
 
 @pytest.fixture(scope="module")
-def staged(fleet_replicas: FleetReplicas, adapter_dirs: dict[str, Path]) -> Iterator[Path]:
-    """a1's files, inside the fleet's adapter root but hidden from it; the root emptied after."""
-    root = fleet_replicas.adapter_root
-    yield shutil.copytree(adapter_dirs["a1"], root / ".staging" / "a1")
-    for entry in root.iterdir():
-        shutil.rmtree(entry)
+def staged(adapter_fleet: AdapterFleet, adapter_dirs: dict[str, Path]) -> Iterator[Path]:
+    """a1's files, inside the fleet's adapter root but hidden from it."""
+    yield shutil.copytree(adapter_dirs["a1"], adapter_fleet.adapter_root / ".staging" / "a1")
 
 
 def replica_texts(fleet: Fleet, model: str) -> list[str | grpc.StatusCode]:
@@ -73,9 +98,9 @@ def test_a_load_and_an_unload_through_envoy_reach_every_replica(fleet: Fleet, st
 
 
 def test_an_adapter_dropped_into_the_shared_root_is_served_by_every_replica(
-    fleet: Fleet, fleet_replicas: FleetReplicas, staged: Path
+    fleet: Fleet, adapter_fleet: AdapterFleet, staged: Path
 ) -> None:
-    shutil.copytree(staged, fleet_replicas.adapter_root / "dropped")
+    shutil.copytree(staged, adapter_fleet.adapter_root / "dropped")
     texts = replica_texts(fleet, "dropped")
     assert all(isinstance(text, str) for text in texts) and texts[0] == texts[1]
 
@@ -89,12 +114,12 @@ def upstream(fleet: Fleet, model: str, prompt: str, max_tokens: int = 8) -> str:
 
 
 def test_an_adapters_calls_go_where_it_is_resident_and_spill_under_load(
-    fleet: Fleet, fleet_replicas: FleetReplicas, staged: Path
+    fleet: Fleet, adapter_fleet: AdapterFleet, staged: Path
 ) -> None:
     """New prompts of the base model are dealt out over both replicas; an adapter's go to the
     replica that loaded it while it is within the load bound, and past it to the other."""
-    hidden = shutil.copytree(staged, fleet_replicas.adapter_root / ".homed")
-    hidden.rename(fleet_replicas.adapter_root / "homed")
+    hidden = shutil.copytree(staged, adapter_fleet.adapter_root / ".homed")
+    hidden.rename(adapter_fleet.adapter_root / "homed")
     holder = upstream(fleet, "homed", "A first question for the adapter:")
     followed = {
         upstream(fleet, "homed", f"Question {index} about {index * 7}:") for index in range(6)
@@ -146,12 +171,12 @@ def test_an_unload_under_traffic_answers_no_call_with_a_5xx(fleet: Fleet, staged
 
 
 def test_base_calls_batched_with_an_adapters_stay_the_base_models(
-    fleet: Fleet, fleet_replicas: FleetReplicas, staged: Path
+    fleet: Fleet, adapter_fleet: AdapterFleet, staged: Path
 ) -> None:
     """No adapter was given at start: on vLLM's CPU build the base model's stand-in adapter is
     built from the model's own weights, and base calls in a batch with adapter calls still get
     the base model's text."""
-    shutil.copytree(staged, fleet_replicas.adapter_root / "mixed")
+    shutil.copytree(staged, adapter_fleet.adapter_root / "mixed")
     alone = replica_texts(fleet, MODEL)
     assert replica_texts(fleet, "mixed")[0] != alone[0]
     with ThreadPoolExecutor(8) as pool:

@@ -201,10 +201,11 @@ class Outcome:
 
 class Traffic:
     """Clients sending requests through Envoy, each PAUSE after its last one ended (failed or
-    not): REST (whole and streamed) and native gRPC (streamed). Besides, a short REST request every TICK seconds, whatever the others do, so
-    that a replica that joins rotation is offered a request at once rather than when a client
-    is next free. (Requests are in flight at almost every moment, and the replicas' cores,
-    shared with the other shard's engines, are not kept busy throughout.)"""
+    not): REST (whole and streamed) and native gRPC (streamed). Besides, a short REST request
+    every TICK seconds, whatever the others do, so that a replica that joins rotation is
+    offered a request at once rather than when a client is next free. (Requests are in flight
+    at almost every moment, and the replicas' cores, shared with the other shard's engines,
+    are not kept busy throughout.)"""
 
     KINDS = ("rest", "rest-stream", "grpc-stream")
     TICK = 0.5

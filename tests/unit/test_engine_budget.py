@@ -25,7 +25,7 @@ from tests.shards import (
 
 TESTS = Path(__file__).resolve().parents[1]
 # Every start-up of a whole run; each costs about 50 s on a 2-core host.
-MAX_START_UPS = 25
+MAX_START_UPS = 27
 HARNESS = ("processes.py", "engines.py")
 
 
@@ -54,8 +54,9 @@ def keyword(call: ast.Call, name: str) -> ast.expr | None:
 def engine_stacks() -> list[tuple[str, int, ast.expr | None, ast.expr]]:
     """Every engine a module builds: (module, line, its engine= name, its service arguments).
     A TestStack without service arguments is an Envoy-only handle; conftest.py's shared
-    engines are built through `on_free_ports(name, service_args, ...)`, whose own TestStack
-    forwards the name it is given."""
+    engines are built through `on_free_ports(name, service_args, ...)` and
+    `pinned_replica(name, core, log, service_args)`, whose own TestStack forwards the name it
+    is given."""
     found = []
     for module, tree in modules().items():
         for call in calls_of(tree, "TestStack"):
@@ -65,6 +66,8 @@ def engine_stacks() -> list[tuple[str, int, ast.expr | None, ast.expr]]:
                 found.append((module, call.lineno, engine, args))
         for call in calls_of(tree, "on_free_ports"):
             found.append((module, call.lineno, call.args[0], call.args[1]))
+        for call in calls_of(tree, "pinned_replica"):
+            found.append((module, call.lineno, call.args[0], call.args[3]))
     return found
 
 
