@@ -82,6 +82,7 @@ class VllmOpenAIServer:
         kv_cache_gib: int = ENGINE_ARGS["kv_cache_gib"],
         extra_args: Sequence[str] = (),
         prefix_caching: bool = False,
+        cores: str | None = None,  # VLLM_CPU_OMP_THREADS_BIND (None: vLLM's own binding)
     ) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -99,6 +100,8 @@ class VllmOpenAIServer:
             *extra_args,  # e.g. --enable-lora --lora-modules NAME=PATH
         ]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
+        if cores is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cores
         self.process = subprocess.Popen(
             command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )

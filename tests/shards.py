@@ -65,11 +65,17 @@ def shard_modules() -> dict[str, list[str]]:
     }
 
 
+def second_core() -> str | None:
+    """The core that vLLM's automatic binding leaves alone, where the host has one."""
+    return FLEET_SHARD_CORE if (os.cpu_count() or 1) > 1 else None
+
+
 def shard_environment(shard: str) -> dict[str, str]:
     # Unbuffered: a shard's lines reach the relay as pytest writes them, not at its end.
     environment = {**os.environ, SHARD_ENV: shard, "PYTHONUNBUFFERED": "1"}
-    if shard == "fleet" and (os.cpu_count() or 1) > 1:
-        environment.setdefault("VLLM_CPU_OMP_THREADS_BIND", FLEET_SHARD_CORE)
+    core = second_core()
+    if shard == "fleet" and core is not None:
+        environment.setdefault("VLLM_CPU_OMP_THREADS_BIND", core)
     return environment
 
 
