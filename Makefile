@@ -1,6 +1,6 @@
 # make serve   install what is missing, prepare the default model, run the service and Envoy
-# make test    install what is missing, run the unit tests, then the whole suite on the real stack
-# make unit    install what is missing, run only the unit tests (tests/unit: no engine, no Envoy)
+# make test    install what is missing, lint, run the unit tests, then the whole suite on the real stack
+# make unit    install what is missing, lint, run only the unit tests (tests/unit: no engine, no Envoy)
 # make proto   rebuild generated code from proto/    make lint   ruff and buf lint
 # make bench   the serving benchmark against vLLM's OpenAI server (docs/benchmarks.md), then:
 # make bench-frontend  `make serve` against `vllm serve` as users run them: serving CPU per token
@@ -51,11 +51,11 @@ serve: install
 
 # Unit tests first (seconds); a failure there stops before the stack starts. The slowest tests
 # are listed at the end, to keep the suite's time in view.
-test: install checkov
+test: install checkov lint
 	$(BIN)/python -m pytest -q $(UNIT_PARALLEL) $(UNIT_TESTS)
 	$(BIN)/python -m tests.shards --durations=15
 
-unit: install checkov
+unit: install checkov lint
 	$(BIN)/python -m pytest -q $(UNIT_PARALLEL) $(UNIT_TESTS)
 
 # checkov, for the Kubernetes checks of deploy/ (tests/unit/test_manifests.py), in a venv of
