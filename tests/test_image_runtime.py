@@ -152,8 +152,8 @@ def copy_build_context(target: Path) -> None:
                 shutil.copy2(path, inside / path.name)
 
 
-def run_install(venv: Path, python: Path, log: Path) -> float:
-    """image/install.sh as the build stage runs it; the seconds it took."""
+def run_install(venv: Path, python: Path, log: Path, niceness: int = 0) -> float:
+    """image/install.sh as the build stage runs it, at `niceness`; the seconds it took."""
     context = Path(tempfile.mkdtemp(prefix="image-context-"))
     try:
         copy_build_context(context)
@@ -161,7 +161,7 @@ def run_install(venv: Path, python: Path, log: Path) -> float:
         started = time.monotonic()
         with log.open("w") as output:
             done = subprocess.run(
-                ["sh", "image/install.sh", str(venv), ENGINE],
+                ["nice", "-n", str(niceness), "sh", "image/install.sh", str(venv), ENGINE],
                 cwd=context,
                 env={**env, "PYTHON": str(python)},
                 stdout=output,
@@ -175,7 +175,7 @@ def run_install(venv: Path, python: Path, log: Path) -> float:
 
 
 @contextlib.contextmanager
-def installed(python: Path, log: Path) -> Iterator[Path]:
+def installed(python: Path, log: Path, niceness: int = 0) -> Iterator[Path]:
     """The install directory, made or brought up to date by the install script."""
     if FRESH:
         scratch = Path(tempfile.mkdtemp(prefix="image-install-", dir="/var/tmp"))
@@ -195,7 +195,7 @@ def installed(python: Path, log: Path) -> Iterator[Path]:
             if stale != venv:
                 shutil.rmtree(stale)
         how = "over the cached install" if venv.exists() else "from nothing"
-        seconds = run_install(venv, python, log)
+        seconds = run_install(venv, python, log, niceness)
     logger.info("image install %s: %.0f s", how, seconds)
     yield venv
 
@@ -379,12 +379,19 @@ def remove_made_by_user(directory: Path, since: float) -> None:
             path.unlink(missing_ok=True)
 
 
+# The install ahead runs at the lowest CPU priority: from nothing it is minutes of CPU (pip
+# unpacks and byte-compiles the whole engine), which at normal priority slowed the engine
+# start-ups of both shards in the session's first minutes; the module needs it only at the
+# fleet shard's end.
+AHEAD_NICENESS = 19
+
+
 def background() -> str:
     """Brings the cached install up to date from the session's start (from nothing it takes
     minutes), so that the module's own run of the script over it takes seconds."""
     if FRESH or os.geteuid() != 0:
         return "nothing done ahead: the module installs from nothing, or is skipped"
-    with installed(interpreter(), CACHE / "ahead-install.log"):
+    with installed(interpreter(), CACHE / "ahead-install.log", AHEAD_NICENESS):
         return "installed ahead"
 
 
