@@ -334,9 +334,14 @@ def start_fleet(logs: Path) -> Engine:
     calls 1.6-3.5 times slower (bench.adapter_root_cost), and the routing tests are base-model
     calls (tests/test_fleet_adapters.py has a pair of its own)."""
     receiver = OtlpReceiver()
-    tracing = ["--otlp-traces-endpoint", receiver.endpoint]
     replicas = [
-        pinned_replica("fleet", core, logs / f"fleet-replica-{core}.log", tracing, TRACE_BATCH_ENV)
+        pinned_replica(
+            "fleet",
+            core,
+            logs / f"fleet-replica-{core}.log",
+            ["--otlp-traces-endpoint", receiver.endpoint],
+            TRACE_BATCH_ENV,
+        )
         for core in range(2)
     ]
     return FleetReplicas(replicas, receiver)

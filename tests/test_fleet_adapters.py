@@ -37,11 +37,17 @@ def adapter_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AdapterF
     logs = tmp_path_factory.mktemp("adapter-fleet")
     root = logs / "root"
     root.mkdir()
-    runtime = ["--adapter-root", str(root), "--enable-adapter-loading"]
-    runtime += ["--operator-api-key", OPERATOR_KEY]
     pair = AdapterFleet(
         [
-            pinned_replica("adapter-fleet", core, logs / f"replica-{core}.log", runtime)
+            pinned_replica(
+                "adapter-fleet",
+                core,
+                logs / f"replica-{core}.log",
+                [
+                    *("--adapter-root", str(root), "--enable-adapter-loading"),
+                    *("--operator-api-key", OPERATOR_KEY),
+                ],
+            )
             for core in range(2)
         ],
         root,

@@ -67,6 +67,7 @@ def engine_stacks() -> list[tuple[str, int, ast.expr | None, ast.expr]]:
         for call in calls_of(tree, "on_free_ports"):
             found.append((module, call.lineno, call.args[0], call.args[1]))
         for call in calls_of(tree, "pinned_replica"):
+            assert isinstance(call.args[3], ast.List), f"{module}:{call.lineno}: list its args"
             found.append((module, call.lineno, call.args[0], call.args[3]))
     return found
 
