@@ -33,9 +33,11 @@ __all__ = [
     "TestStack",
     "free_port",
     "healthy_upstreams",
+    "left_running",
     "lua_errors",
     "port_open",
     "shared_picker",
+    "still_running",
 ]
 
 
@@ -197,6 +199,35 @@ class TestStack(Stack):
     def wait_ready_service(self, timeout: float) -> None:
         """Block until the service reports SERVING (for a stack without Envoy)."""
         self.wait_until(self.service_serving, timeout)
+
+
+# /proc/PID/stat's flags: the kernel has begun the process's exit (PF_EXITING).
+PF_EXITING = 0x4
+
+
+def still_running(process: psutil.Process) -> bool:
+    """Whether it may still run code: not gone, not a zombie, and not in the kernel's exit. (A
+    killed engine worker's address space of several GiB took the kernel over 15 s to tear down
+    on a host busy with the other shard, in disk-sleep, long after the process had ended for
+    every other purpose.)"""
+    try:
+        if not process.is_running() or process.status() == psutil.STATUS_ZOMBIE:
+            return False
+        stat = Path(f"/proc/{process.pid}/stat").read_text()
+    except (psutil.NoSuchProcess, OSError):
+        return False
+    flags = int(stat.rsplit(")", 1)[1].split()[6])
+    return not flags & PF_EXITING
+
+
+def left_running(processes: Sequence[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Those of `processes` still running `timeout` seconds from now (or as soon as none is)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        running = [process for process in processes if still_running(process)]
+        if not running or time.monotonic() > deadline:
+            return running
+        time.sleep(0.2)
 
 
 def thread_affinities(process: psutil.Process) -> list[set[int]]:

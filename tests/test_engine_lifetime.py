@@ -19,7 +19,7 @@ import pytest
 
 from service.model.lifetime import ENGINE_PARENT_ENV
 from tests.conftest import ENGINE_START_TIMEOUT, SMALL_ENGINE
-from tests.processes import TestStack, free_port
+from tests.processes import TestStack, free_port, still_running
 
 ENGINE_PROCESS_PREFIX = "VLLM::"
 GONE_WITHIN_SECONDS = 5.0
@@ -40,22 +40,6 @@ def is_engine(process: psutil.Process) -> bool:
         )
     except psutil.NoSuchProcess:
         return False
-
-
-def alive(processes: list[psutil.Process]) -> list[psutil.Process]:
-    return [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-
-
-def wait_gone(processes: list[psutil.Process], timeout: float) -> None:
-    """Fails if any of them still runs after `timeout` (and then kills it, as an operator
-    would have to)."""
-    deadline = time.monotonic() + timeout
-    while alive(processes) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = alive(processes)
-    for process in left:
-        process.kill()
-    assert not left, f"still running {timeout:.0f}s later: {left}"
 
 
 # The moments of a start at which an orchestrator may stop a replica (a rolling update, a failed
@@ -123,14 +107,7 @@ def left_running(one: Starting) -> list[psutil.Process]:
     """What the replica started and still runs: its processes when it was stopped, and any
     process on the host carrying its pid."""
     found = {p.pid: p for p in [*(one.started or []), *processes_of(one.pid)]}
-    return [process for process in found.values() if runs(process)]
-
-
-def runs(process: psutil.Process) -> bool:
-    try:
-        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+    return [process for process in found.values() if still_running(process)]
 
 
 def start_replica(tmp_path: Path, signum: signal.Signals, frontends: int) -> Starting:

@@ -43,7 +43,7 @@ from tests.conftest import (
 )
 from tests.helpers import CAPITAL_PROMPT, body, grpc_request
 from tests.metrics import sample, scrape
-from tests.processes import TestStack, free_port, healthy_upstreams, stop_helpers
+from tests.processes import TestStack, free_port, healthy_upstreams, left_running, stop_helpers
 from tests.redis_server import RedisServer, start_redis
 
 FRONTENDS = 2
@@ -376,15 +376,6 @@ def test_metrics_are_one_scrape_of_both_frontends(replica: TestStack) -> None:
 def replica_processes(replica: TestStack) -> list[psutil.Process]:
     parent = psutil.Process(replica.processes[0].pid)
     return [parent, *parent.children(recursive=True)]
-
-
-def left_running(processes: list[psutil.Process], timeout: float) -> list[psutil.Process]:
-    deadline = time.monotonic() + timeout
-    while True:
-        alive = [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.2)
 
 
 DOCUMENTS = {

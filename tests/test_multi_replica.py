@@ -46,17 +46,19 @@ from service.settings import ServerSettings
 from tests.conftest import ENGINE_START_TIMEOUT, SMALL_ENGINE
 from tests.helpers import body, grpc_request
 from tests.metrics import sample
-from tests.processes import TestStack, free_port, stop_helpers, thread_affinities
+from tests.processes import TestStack, free_port, left_running, stop_helpers, thread_affinities
 
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
 
 DRAIN_DELAY = 5.0
 GRACE = 60.0  # far longer than any drain here: a drain must not need it
 EXIT_AFTER_STOPPED_SECONDS = 30.0
-# The engine's processes go with the server (the kernel kills them), but tearing down a worker
-# of several GiB took over 3 s on a host busy with the other shard (it sat in disk-sleep), and
-# multiprocessing's resource tracker leaves after it.
+# The engine's processes go with the server: the kernel kills them, and they count as gone once
+# their exit has begun (the kernel then took up to 15 s and more to tear down a worker of several
+# GiB, in disk-sleep, on a host busy with the other shard). multiprocessing's resource tracker
+# leaves by itself after that teardown: its bound is a hang guard.
 ENGINE_GONE_SECONDS = 15.0
+TRACKER_GONE_SECONDS = 60.0
 TOKENS = 24  # per request of the sustained traffic
 # The stream in flight across a drain: past the delay even on a replica with a core of its own.
 LONG_TOKENS = 240
@@ -442,20 +444,20 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterat
                 replica.kill()
 
 
-def left_behind(processes: list[psutil.Process], timeout: float) -> list[psutil.Process]:
-    """Those of `processes` still running after `timeout` seconds (zombies count as gone)."""
-    deadline = time.time() + timeout
-    while True:
-        alive = []
-        for process in processes:
-            try:
-                if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
-                    alive.append(process)
-            except psutil.NoSuchProcess:
-                pass
-        if not alive or time.time() > deadline:
-            return alive
-        time.sleep(0.2)
+def left_behind(processes: list[psutil.Process]) -> list[psutil.Process]:
+    """Those of a killed server's processes that outlived it: its engine's, a few seconds on,
+    then any (multiprocessing's resource tracker leaves once they are torn down)."""
+    engine = [process for process in processes if is_engine(process)]
+    return left_running(engine, ENGINE_GONE_SECONDS) or left_running(
+        processes, TRACKER_GONE_SECONDS
+    )
+
+
+def is_engine(process: psutil.Process) -> bool:
+    try:
+        return process.name().startswith("VLLM::")
+    except psutil.NoSuchProcess:
+        return False
 
 
 def envoy_ready(admin_url: str) -> bool:
@@ -578,7 +580,7 @@ def test_a_drain_lasts_as_long_as_its_longest_request(cluster: Cluster) -> None:
     # being torn down is part of it). From SIGTERM the whole took up to 60.4 s there, the long
     # stream itself 29.5 s of it: the stream's length is the host's, not the drain's.
     assert exited - stopped < EXIT_AFTER_STOPPED_SECONDS
-    assert not left_behind(engine, ENGINE_GONE_SECONDS), "the engine outlived the server"
+    assert not left_behind(engine), "the engine outlived the server"
     assert cluster.traffic.failures(since=signalled - 1, until=exited + 1) == []
 
 
@@ -625,7 +627,7 @@ def test_a_killed_replica_costs_only_the_requests_in_flight_on_it(cluster: Clust
     dead = time.time()  # SIGKILL takes a moment: requests sent until then may reach it
     # The engine's processes die with the server (the kernel signals them), and its port is
     # free at once for a replica started in its place.
-    assert not left_behind(engine, ENGINE_GONE_SECONDS), "the engine outlived the server"
+    assert not left_behind(engine), "the engine outlived the server"
     with socket.socket() as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", victim.stack.grpc_port))
