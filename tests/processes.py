@@ -33,6 +33,7 @@ __all__ = [
     "TestStack",
     "free_port",
     "healthy_upstreams",
+    "is_engine",
     "left_running",
     "lua_errors",
     "port_open",
@@ -199,6 +200,20 @@ class TestStack(Stack):
     def wait_ready_service(self, timeout: float) -> None:
         """Block until the service reports SERVING (for a stack without Envoy)."""
         self.wait_until(self.service_serving, timeout)
+
+
+# What vLLM names its engine processes (the title it gives them, their name in /proc).
+ENGINE_PROCESS_PREFIX = "VLLM::"
+
+
+def is_engine(process: psutil.Process) -> bool:
+    """Whether it is one of vLLM's engine processes (core, worker, frontend), by its title."""
+    try:
+        return process.name().startswith(ENGINE_PROCESS_PREFIX) or any(
+            part.startswith(ENGINE_PROCESS_PREFIX) for part in process.cmdline()[:1]
+        )
+    except psutil.NoSuchProcess:
+        return False
 
 
 # /proc/PID/stat's flags: the kernel has begun the process's exit (PF_EXITING).

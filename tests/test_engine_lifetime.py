@@ -19,9 +19,8 @@ import pytest
 
 from service.model.lifetime import ENGINE_PARENT_ENV
 from tests.conftest import ENGINE_START_TIMEOUT, SMALL_ENGINE
-from tests.processes import TestStack, free_port, still_running
+from tests.processes import TestStack, free_port, is_engine, still_running
 
-ENGINE_PROCESS_PREFIX = "VLLM::"
 GONE_WITHIN_SECONDS = 5.0
 # Gone "at once": measured 0.1-2 s, and 6.7 s on a host running the other shard's tests;
 # well under Kubernetes' 30 s grace before it kills.
@@ -31,15 +30,6 @@ KILLED_EXIT_GUARD = 60.0  # a hang guard: a SIGKILLed process cannot take time t
 
 def engine_processes(server: psutil.Process) -> list[psutil.Process]:
     return [child for child in server.children(recursive=True) if is_engine(child)]
-
-
-def is_engine(process: psutil.Process) -> bool:
-    try:
-        return process.name().startswith(ENGINE_PROCESS_PREFIX) or any(
-            part.startswith(ENGINE_PROCESS_PREFIX) for part in process.cmdline()[:1]
-        )
-    except psutil.NoSuchProcess:
-        return False
 
 
 # The moments of a start at which an orchestrator may stop a replica (a rolling update, a failed

@@ -46,7 +46,14 @@ from service.settings import ServerSettings
 from tests.conftest import ENGINE_START_TIMEOUT, SMALL_ENGINE
 from tests.helpers import body, grpc_request
 from tests.metrics import sample
-from tests.processes import TestStack, free_port, left_running, stop_helpers, thread_affinities
+from tests.processes import (
+    TestStack,
+    free_port,
+    is_engine,
+    left_running,
+    stop_helpers,
+    thread_affinities,
+)
 
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
 
@@ -451,13 +458,6 @@ def left_behind(processes: list[psutil.Process]) -> list[psutil.Process]:
     return left_running(engine, ENGINE_GONE_SECONDS) or left_running(
         processes, TRACKER_GONE_SECONDS
     )
-
-
-def is_engine(process: psutil.Process) -> bool:
-    try:
-        return process.name().startswith("VLLM::")
-    except psutil.NoSuchProcess:
-        return False
 
 
 def envoy_ready(admin_url: str) -> bool:
