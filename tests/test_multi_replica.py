@@ -513,17 +513,19 @@ def engine_process(replica: Replica, name: str) -> psutil.Process:
 
 
 def bound_cores(replica: Replica) -> set[int]:
-    """The cores the replica's engine worker binds its threads to, one core a thread."""
-    worker = engine_process(replica, "VLLM::Worker")
-    return set().union(*(cores for cores in thread_affinities(worker) if len(cores) == 1))
+    """The cores the replica's engine binds its threads to, one core a thread (its worker runs
+    in the engine-core process)."""
+    engine_core = engine_process(replica, "VLLM::EngineCore")
+    return set().union(*(cores for cores in thread_affinities(engine_core) if len(cores) == 1))
 
 
 def test_each_replica_runs_on_its_own_core(cluster: Cluster) -> None:
     cluster.wait_both_in_rotation()
     assert [bound_cores(replica) for replica in cluster.replicas] == [{0}, {1}]
-    # The engine-core process, which spins while it waits for its worker, shares the worker's
-    # core rather than the other replica's.
+    # Every thread of the engine core, which runs the worker, stays on the replica's core; no
+    # worker process of its own runs anywhere.
     for replica, core in zip(cluster.replicas, ({0}, {1}), strict=True):
+        assert not [p for p in replica.processes() if p.name() == "VLLM::Worker"], replica.host
         engine_core = engine_process(replica, "VLLM::EngineCore")
         assert all(cores == core for cores in thread_affinities(engine_core)), replica.host
 

@@ -57,7 +57,7 @@ def test_health_turns_serving_only_once_the_engine_is_ready(service: LifecycleSe
     assert NOT_SERVING in service.health.statuses[:first_serving], service.health.statuses
 
 
-def test_beside_another_engine_it_warns_and_keeps_its_engine_core_by_its_worker(
+def test_beside_another_engine_it_warns_and_binds_its_engine_in_one_process(
     service: LifecycleService,
 ) -> None:
     warnings = [
@@ -71,12 +71,13 @@ def test_beside_another_engine_it_warns_and_keeps_its_engine_core_by_its_worker(
         for child in psutil.Process(service.process.pid).children(recursive=True)
         if child.name().startswith("VLLM::")
     ]
-    (worker,) = [p for p in engines if p.name() == "VLLM::Worker"]
-    (engine_core,) = [p for p in engines if p.name() == "VLLM::EngineCore"]
+    # The worker runs in the engine core: one engine process, every thread of it bound.
+    (engine_core,) = engines
+    assert engine_core.name() == "VLLM::EngineCore"
     anywhere = os.sched_getaffinity(0)
-    worker_cores = set().union(*(c for c in thread_affinities(worker) if c < anywhere))
-    assert worker_cores and worker_cores < anywhere
-    assert all(cores == worker_cores for cores in thread_affinities(engine_core))
+    core_cores = thread_affinities(engine_core)
+    assert all(cores == core_cores[0] for cores in core_cores)
+    assert core_cores[0] < anywhere
 
 
 def is_json(line: str) -> bool:

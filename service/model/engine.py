@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -21,6 +22,7 @@ from service.model.adapter_registry import AdapterRegistry
 from service.model.adapters import ModelCatalog, build_catalog
 from service.model.capacity import Capacity, resolve_capacity
 from service.model.default_model import model_directory
+from service.model.in_core_worker import engine_core_environment, place_worker
 from service.model.lifetime import mark_engine_parent
 from service.model.load import EngineLoad
 from service.model.placement import confine_engine_core, place_engine
@@ -168,7 +170,9 @@ def api_server_config(args: AsyncEngineArgs, frontends: int = 1, rank: int = 0) 
     if frontends > 1:
         args._api_process_count = frontends
         args._api_process_rank = rank
-    return args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+    config = args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+    place_worker(config, args.distributed_executor_backend)
+    return config
 
 
 def start_engine(settings: EngineSettings, link: FrontendLink | None = None) -> ServedModel:
@@ -192,13 +196,14 @@ def start_engine(settings: EngineSettings, link: FrontendLink | None = None) -> 
     config = api_server_config(args, *(() if link is None else (link.count, link.index)))
     capacity = resolve_capacity(config)
     load = EngineLoad(capacity.max_num_seqs, capacity.max_num_queued_reqs)
-    engine = AsyncLLM.from_vllm_config(
-        config,
-        usage_context=UsageContext.OPENAI_API_SERVER,
-        disable_log_stats=args.disable_log_stats,
-        stat_loggers=[load.stat_logger],
-        **({} if link is None else link.client_arguments()),
-    )
+    with engine_core_environment(config) if link is None else contextlib.nullcontext():
+        engine = AsyncLLM.from_vllm_config(
+            config,
+            usage_context=UsageContext.OPENAI_API_SERVER,
+            disable_log_stats=args.disable_log_stats,
+            stat_loggers=[load.stat_logger],
+            **({} if link is None else link.client_arguments()),
+        )
     if link is None and current_platform.is_cpu():
         confine_engine_core()
     # vLLM reads some of its settings from the environment for every generated token (1.9 us a

@@ -9,6 +9,7 @@ shared memory let each frontend's check count the requests of all of them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import tempfile
@@ -25,6 +26,7 @@ from vllm.v1.executor import Executor
 from service.model.adapters import build_catalog
 from service.model.default_model import model_directory
 from service.model.engine import api_server_config, engine_args, prepare_engine_processes
+from service.model.in_core_worker import engine_core_environment
 from service.settings import EngineSettings
 
 logger = logging.getLogger(__name__)
@@ -107,9 +109,17 @@ def launch_engine_core(
     counters = multiprocessing.get_context("spawn").RawArray(
         "q", SharedAdmissionStats.num_counters(count)
     )
-    with launch_core_engines(
-        config, Executor.get_class(config), not args.disable_log_stats, listeners.addresses
-    ) as launch:
+    with contextlib.ExitStack() as launched:
+        # Only the engine core is spawned with its worker's binding, not the frontends.
+        with engine_core_environment(config):
+            launch = launched.enter_context(
+                launch_core_engines(
+                    config,
+                    Executor.get_class(config),
+                    not args.disable_log_stats,
+                    listeners.addresses,
+                )
+            )
         snapshots = Path(scratch.name) / "adapters"
         frontends = start_frontends(links(count, listeners, counters, snapshots))
         for listener in (*listeners.inputs, *listeners.outputs):

@@ -160,7 +160,8 @@ def bound_cores(tids: Sequence[int]) -> set[int]:
 
 
 def confine_engine_core(parent: int | None = None) -> None:
-    """Move the engine-core process onto the cores its worker is bound to.
+    """Move the engine-core process onto the cores its worker process is bound to (where the
+    worker runs in the core, the core is bound already: say where).
 
     vLLM's CPU build binds only the worker's threads; the engine-core process may run anywhere.
     It waits for each step's result by spinning (yielding, but always runnable), so it sits on
@@ -169,8 +170,16 @@ def confine_engine_core(parent: int | None = None) -> None:
     it costs the step nothing (docs/benchmarks.md, "Serving cost on the path users run").
     """
     engine = children_by_name(os.getpid() if parent is None else parent)
-    cores = bound_cores(threads(engine.get(ENGINE_WORKER_NAME, [])))
+    workers = engine.get(ENGINE_WORKER_NAME, [])
     core_pids = engine.get(ENGINE_CORE_NAME, [])
+    if core_pids and not workers:  # the worker runs in the core (service/model/in_core_worker.py)
+        logger.info(
+            "engine placement: engine core (pid %s) runs its worker, on cores %s",
+            ",".join(map(str, core_pids)),
+            format_cores(bound_cores(threads(core_pids))) or "of its own choosing",
+        )
+        return
+    cores = bound_cores(threads(workers))
     if not cores or not core_pids:
         logger.info("engine placement: the engine core runs where it likes (no bound worker)")
         return

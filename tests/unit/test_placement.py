@@ -150,3 +150,15 @@ def test_the_engine_core_stays_put_when_its_worker_is_not_bound(
     fake_engine("VLLM::Worker", "")
     placement.confine_engine_core()
     assert os.sched_getaffinity(core_pid) == os.sched_getaffinity(0)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_an_engine_core_running_its_worker_is_left_on_its_cores_and_said_so(
+    fake_engine: Callable[[str, str], int], caplog: pytest.LogCaptureFixture
+) -> None:
+    core = min(os.sched_getaffinity(0))
+    core_pid = fake_engine("VLLM::EngineCor", str(core))
+    with caplog.at_level(logging.INFO, logger=placement.__name__):
+        placement.confine_engine_core()
+    assert os.sched_getaffinity(core_pid) == {core}
+    assert f"engine core (pid {core_pid}) runs its worker, on cores {core}" in caplog.text
