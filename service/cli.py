@@ -76,18 +76,17 @@ def build_parser() -> argparse.ArgumentParser:
 def run_serve(args: argparse.Namespace) -> int:
     from plumbing.open_files import raise_open_files_limit
     from plumbing.tls import CertificateError
-    from service.api.chat import ChatSettingsError, check_chat_settings
     from service.api.tenants import TenantsFileError
-    from service.model.adapters import AdapterError, check_adapters
+    from service.model.adapter_checks import AdapterError, check_adapters
     from service.model.default_model import model_directory
     from service.model.placement import PlacementError, binding
-    from service.transport.server import run_server
     from service.transport.tenants_file import read_table
 
+    # The files and flags first, before vLLM's imports (seconds): a replica given a bad one
+    # fails at once.
     try:
         engine = engine_settings(args)
         server = server_settings(args)
-        check_chat_settings(server.chat)
         if engine.cpu_cores:  # the cores must split evenly over the engine's workers
             binding(engine.cpu_cores, engine.tensor_parallel_size * engine.pipeline_parallel_size)
         if engine.lora_modules:
@@ -99,24 +98,33 @@ def run_serve(args: argparse.Namespace) -> int:
             )
         if server.tenants_file is not None:
             read_table(server.tenants_file)  # a file that cannot be used stops the start
-    except (
-        AdapterError,
-        CertificateError,
-        ChatSettingsError,
-        PlacementError,
-        TenantsFileError,
-    ) as error:
-        print(f"llm-completions: error: {error}", file=sys.stderr)
-        return 1
+    except (AdapterError, CertificateError, PlacementError, TenantsFileError) as error:
+        return refuse(error)
     if (problem := frontend_ports_problem(server)) is not None:
-        print(f"llm-completions: error: {problem}", file=sys.stderr)
-        return 1
+        return refuse(problem)
+    from service.api.chat import ChatSettingsError, check_chat_settings
+    from service.model.adapters import check_max_lora_rank
+
+    try:
+        check_chat_settings(server.chat)
+        if engine.lora_modules:
+            check_max_lora_rank(engine.max_lora_rank)
+    except (AdapterError, ChatSettingsError) as error:
+        return refuse(error)
     raise_open_files_limit()  # each caller's connection is a file
     if server.api_server_count > 1:
         from service.transport.replica import run_replica
 
         return run_replica(server, engine, (args.log_level, args.log_format))
+    from service.transport.server import run_server
+
     return run_server(server, engine)
+
+
+def refuse(problem: object) -> int:
+    """Say why the server does not start, in one line; the exit code."""
+    print(f"llm-completions: error: {problem}", file=sys.stderr)
+    return 1
 
 
 def run_hash_key() -> int:

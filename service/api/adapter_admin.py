@@ -18,7 +18,7 @@ from service.api.errors import (
     FieldViolation,
     RequestValidationError,
 )
-from service.model.adapters import AdapterError
+from service.model.adapter_checks import AdapterError
 from service.model.engine import ServedModel
 
 LOADED, UNLOADED = "lora_adapter.loaded", "lora_adapter.unloaded"

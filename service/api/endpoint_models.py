@@ -23,19 +23,19 @@ from service.api.errors import (
     ModelNotFoundError,
 )
 from service.api.tenants import may_use, visible
+from service.model.adapter_checks import (
+    AdapterError,
+    AdapterInvalidError,
+    AdapterNameTakenError,
+    AdapterNotFoundError,
+)
 from service.model.adapter_registry import (
     AdapterCapacityError,
     AdapterFromRootError,
     AdapterOutsideRootError,
     AdapterRegistry,
 )
-from service.model.adapters import (
-    AdapterError,
-    AdapterInvalidError,
-    AdapterNameTakenError,
-    AdapterNotFoundError,
-    UnknownModelError,
-)
+from service.model.adapters import UnknownModelError
 
 _listing: contextvars.ContextVar[ListModelsResponse | None] = contextvars.ContextVar(
     "endpoint_models", default=None

@@ -25,17 +25,16 @@ from vllm.lora.request import LoRARequest
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from service.model import adapter_files
-from service.model.adapters import (
+from service.model.adapter_checks import (
     ADAPTER_CONFIG,
     AdapterError,
     AdapterInvalidError,
     AdapterNameTakenError,
     AdapterNotFoundError,
-    ModelCatalog,
-    UnknownModelError,
     check_adapter,
     quote,
 )
+from service.model.adapters import ModelCatalog, UnknownModelError
 from service.settings import EngineSettings, LoraModule
 
 logger = logging.getLogger(__name__)

@@ -27,7 +27,8 @@ from service.api.completions import CompletionHandler
 from service.api.model_listing import ModelListing
 from service.api.rate_limits import TenantLimits
 from service.api.tokenization import Tokenization
-from service.model.adapters import AdapterError, load_adapters
+from service.model.adapter_checks import AdapterError
+from service.model.adapters import load_adapters
 from service.model.engine import ServedModel, start_engine
 from service.model.load import LoadSnapshot
 from service.settings import EngineSettings, ServerSettings

@@ -16,19 +16,18 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from service.model import adapter_files, adapter_registry, cpu_lora_fix
+from service.model.adapter_checks import (
+    AdapterInvalidError,
+    AdapterNameTakenError,
+    AdapterNotFoundError,
+)
 from service.model.adapter_registry import (
     AdapterCapacityError,
     AdapterFromRootError,
     AdapterOutsideRootError,
     AdapterRegistry,
 )
-from service.model.adapters import (
-    AdapterInvalidError,
-    AdapterNameTakenError,
-    AdapterNotFoundError,
-    ModelCatalog,
-    UnknownModelError,
-)
+from service.model.adapters import ModelCatalog, UnknownModelError
 from service.settings import EngineSettings
 
 BASE = "base-model"

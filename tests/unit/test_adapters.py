@@ -1,6 +1,6 @@
-"""service/model/adapters.py and service/model/cpu_lora_fix.py: the served names and how a request's
-`model` resolves, the start-up checks on hand-written adapter directories, the engine's LoRA
-arguments, and the vLLM CPU bug the workaround exists for."""
+"""service/model/adapters.py, adapter_checks.py and cpu_lora_fix.py: the served names and how
+a request's `model` resolves, the start-up checks on hand-written adapter directories, the
+engine's LoRA arguments, and the vLLM CPU bug the workaround exists for."""
 
 from __future__ import annotations
 
@@ -16,14 +16,13 @@ from vllm.lora.request import LoRARequest
 from service.api.endpoint_models import check_served
 from service.api.errors import MAX_MESSAGE_BYTES, ModelNotFoundError
 from service.model import cpu_lora_fix
+from service.model.adapter_checks import AdapterError, check_adapters, same_base
 from service.model.adapter_registry import AdapterRegistry
 from service.model.adapters import (
-    AdapterError,
     ModelCatalog,
     build_catalog,
-    check_adapters,
+    check_max_lora_rank,
     lora_requests,
-    same_base,
 )
 from service.model.engine import lora_args
 from service.settings import EngineSettings, LoraModule
@@ -144,11 +143,10 @@ def test_a_rank_pattern_counts_toward_the_rank(tmp_path: Path) -> None:
         check([LoraModule("mixed", mixed)], model, max_rank=16)
 
 
-def test_a_max_lora_rank_vllm_does_not_support_is_refused(tmp_path: Path) -> None:
-    model = model_dir(tmp_path)
-    good = adapter_dir(tmp_path, "good", str(model))
+def test_a_max_lora_rank_vllm_does_not_support_is_refused() -> None:
+    check_max_lora_rank(16)
     with pytest.raises(AdapterError, match="--max-lora-rank 10 is not one vLLM supports"):
-        check([LoraModule("good", good)], model, max_rank=10)
+        check_max_lora_rank(10)
 
 
 def test_another_base_model_is_refused_naming_both(tmp_path: Path) -> None:

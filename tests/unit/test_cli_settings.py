@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import logging
 import re
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -682,11 +683,11 @@ def test_run_serve_checks_the_adapters_and_passes_them_on(
     monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
 ) -> None:
-    import service.model.adapters
+    import service.model.adapter_checks
 
     checked: list[tuple[Any, ...]] = []
     monkeypatch.setattr(
-        service.model.adapters, "check_adapters", lambda *args: checked.append(args)
+        service.model.adapter_checks, "check_adapters", lambda *args: checked.append(args)
     )
     args = parse(
         "serve", "--model", str(tmp_path), "--lora-modules", "a=/x", "--max-lora-rank", "8"
@@ -711,6 +712,34 @@ def test_run_serve_refuses_a_bad_adapter_with_one_line_and_no_server(
     assert served == []
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("llm-completions: error: adapter `bad`")
+
+
+REFUSED_START = """
+import sys
+from service import cli
+args = cli.build_parser().parse_args(cli.with_command(sys.argv[1:]))
+code = cli.run_serve(args)
+print(code, sorted({name.split(".")[0] for name in sys.modules} & {"vllm", "torch"}))
+"""
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--lora-modules", "bad=/nowhere"),
+        ("--tenants-file", "/nowhere.yaml"),
+        ("--cpu-cores", "0-1", "--tensor-parallel-size", "3"),
+    ],
+)
+def test_a_bad_file_or_flag_fails_start_up_before_vllms_imports(
+    tmp_path: Path, flags: tuple[str, ...]
+) -> None:
+    """A replica given a bad adapter, tenants file or core list fails at once, without the
+    seconds vLLM's imports take."""
+    command = [sys.executable, "-c", REFUSED_START, "serve", "--model", str(tmp_path), *flags]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    assert done.stdout.split("\n")[0] == "1 []", done.stderr
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("llm-completions: error:")
 
 
 # ---- transport: keepalive and TLS
