@@ -137,6 +137,9 @@ VARIANTS: dict[str, Variant] = {
     "vllm serve's engine core placed as ours": Variant(peer_core_placed=True),
     "engine core unplaced": Variant(core_unplaced=True),
     "tracing on": Variant(tracing=True),
+    # The engine's worker in a process of its own, as vLLM's CPU build runs it (ours runs it
+    # inside the engine core: service/model/in_core_worker.py).
+    "worker in its own process": Variant(env={"DISTRIBUTED_EXECUTOR_BACKEND": "mp"}),
     # Frontend processes over one engine: ours and vLLM's with the same N.
     "API_SERVER_COUNT=2": Variant(
         env={"API_SERVER_COUNT": "2"}, vllm_args=("--api-server-count", "2")
