@@ -102,8 +102,11 @@ def run_serve(args: argparse.Namespace) -> int:
         return refuse(error)
     if (problem := frontend_ports_problem(server)) is not None:
         return refuse(problem)
-    from service.api.chat import ChatSettingsError, check_chat_settings
-    from service.model.adapters import check_max_lora_rank
+    from service.model.standby_core import torch_loaded_single_threaded
+
+    with torch_loaded_single_threaded():  # the engine core may be a copy of this process
+        from service.api.chat import ChatSettingsError, check_chat_settings
+        from service.model.adapters import check_max_lora_rank
 
     try:
         check_chat_settings(server.chat)

@@ -26,6 +26,7 @@ from service.model.in_core_worker import engine_core_environment, place_worker
 from service.model.lifetime import mark_engine_parent
 from service.model.load import EngineLoad
 from service.model.placement import confine_engine_core, place_engine
+from service.model.standby_core import Standby
 from service.settings import EngineSettings
 
 if TYPE_CHECKING:
@@ -175,9 +176,12 @@ def api_server_config(args: AsyncEngineArgs, frontends: int = 1, rank: int = 0) 
     return config
 
 
-def start_engine(settings: EngineSettings, link: FrontendLink | None = None) -> ServedModel:
-    """Build the engine (blocking: run it off the event loop): in this process's care, or with
-    a `link`, as one frontend of an engine core its parent process launched."""
+def start_engine(
+    settings: EngineSettings, link: FrontendLink | None = None, standby: Standby | None = None
+) -> ServedModel:
+    """Build the engine (blocking: run it off the event loop): in this process's care (its
+    engine core the `standby` copy, where one was made), or with a `link`, as one frontend of an
+    engine core its parent process launched."""
     model_dir = model_directory(settings.model)
     scratch = tempfile.TemporaryDirectory(prefix="llm-completions-")
     catalog = build_catalog(settings, Path(scratch.name))
@@ -196,7 +200,7 @@ def start_engine(settings: EngineSettings, link: FrontendLink | None = None) -> 
     config = api_server_config(args, *(() if link is None else (link.count, link.index)))
     capacity = resolve_capacity(config)
     load = EngineLoad(capacity.max_num_seqs, capacity.max_num_queued_reqs)
-    with engine_core_environment(config) if link is None else contextlib.nullcontext():
+    with engine_core_environment(config, standby) if link is None else contextlib.nullcontext():
         engine = AsyncLLM.from_vllm_config(
             config,
             usage_context=UsageContext.OPENAI_API_SERVER,

@@ -27,6 +27,7 @@ from service.model.adapters import build_catalog
 from service.model.default_model import model_directory
 from service.model.engine import api_server_config, engine_args, prepare_engine_processes
 from service.model.in_core_worker import engine_core_environment
+from service.model.standby_core import Standby
 from service.settings import EngineSettings
 
 logger = logging.getLogger(__name__)
@@ -95,10 +96,12 @@ def launch_engine_core(
     settings: EngineSettings,
     count: int,
     start_frontends: Callable[[list[FrontendLink]], list[BaseProcess]],
+    standby: Standby | None = None,
 ) -> EngineCore:
-    """Launch the engine core for `count` frontends and start them (`start_frontends`, which
-    returns their processes) while it loads; returns once the core is ready. A frontend that
-    exits meanwhile ends the launch with vLLM's error."""
+    """Launch the engine core (the `standby` copy of this process, where one was made) for
+    `count` frontends and start them (`start_frontends`, which returns their processes) while
+    it loads; returns once the core is ready. A frontend that exits meanwhile ends the launch
+    with vLLM's error."""
     scratch = tempfile.TemporaryDirectory(prefix="llm-completions-core-")
     args = engine_args(
         settings, model_directory(settings.model), build_catalog(settings, Path(scratch.name))
@@ -111,7 +114,7 @@ def launch_engine_core(
     )
     with contextlib.ExitStack() as launched:
         # Only the engine core is spawned with its worker's binding, not the frontends.
-        with engine_core_environment(config):
+        with engine_core_environment(config, standby):
             launch = launched.enter_context(
                 launch_core_engines(
                     config,

@@ -23,6 +23,9 @@ from vllm.config import VllmConfig
 from vllm.platforms import current_platform
 from vllm.utils.ompmultiprocessing import OMPProcessManager
 
+from service.model.standby_core import Standby, standing_in
+from service.settings import EngineSettings
+
 IN_CORE = "uni"  # vLLM's executor that runs the worker in the engine-core process
 
 
@@ -45,13 +48,31 @@ def place_worker(config: VllmConfig, chosen_backend: str | None) -> None:
         config.parallel_config.distributed_executor_backend = IN_CORE
 
 
+def may_run_worker_in_core(settings: EngineSettings) -> bool:
+    """Whether an engine of these settings will run its worker inside the engine core (known
+    before vLLM resolves its configuration): vLLM's CPU build, one worker, one data-parallel
+    rank, and no other backend chosen."""
+    return (
+        current_platform.is_cpu()
+        and settings.distributed_executor_backend in (None, IN_CORE)
+        and settings.tensor_parallel_size * settings.pipeline_parallel_size == 1
+        and settings.data_parallel_size == 1
+    )
+
+
 @contextlib.contextmanager
-def engine_core_environment(config: VllmConfig) -> Iterator[None]:
-    """Hold while the engine core is spawned: when it runs the worker, the OpenMP binding that
-    vLLM gives a worker process of rank 0 (nothing otherwise)."""
+def engine_core_environment(config: VllmConfig, standby: Standby | None = None) -> Iterator[None]:
+    """Hold while the engine core is launched: when it runs the worker, the OpenMP binding that
+    vLLM gives a worker process of rank 0, and the server's standing-by copy as the process
+    (service/model/standby_core.py); nothing otherwise."""
     in_core = config.parallel_config.distributed_executor_backend == IN_CORE
     if not (in_core and current_platform.is_cpu()):
         yield
         return
-    with OMPProcessManager(config).configure_omp_envs(rank=0, local_rank=0):
+    threads = OMPProcessManager(config)
+    cores = () if threads.skip_setup or not threads.cpu_lists else threads.cpu_lists[0]
+    with (
+        threads.configure_omp_envs(rank=0, local_rank=0),
+        standing_in(standby if config.model_config.multimodal_config is None else None, cores),
+    ):
         yield

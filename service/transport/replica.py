@@ -29,7 +29,9 @@ from service.api.backlog import ReplicaTally
 from service.api.rate_limits import DEFAULT_STORE
 from service.api.shared_windows import ServedWindows, store_url
 from service.model.frontends import EngineCore, FrontendLink, launch_engine_core
+from service.model.in_core_worker import may_run_worker_in_core
 from service.model.placement import confine_engine_core
+from service.model.standby_core import stand_by
 from service.settings import EngineSettings, ServerSettings
 from service.transport.frontend import FrontendRole, run_frontend
 from service.transport.observability import MULTIPROCESS_ENV, serve_frontends_metrics
@@ -133,6 +135,7 @@ class Frontends:
 def run_replica(server: ServerSettings, engine: EngineSettings, log_setup: tuple[str, str]) -> int:
     """Run the engine core and `server.api_server_count` frontends until stopped; the exit
     code."""
+    standby = stand_by(may_run_worker_in_core(engine))  # before the first thread and socket
     check_ports_free(server)
     metrics_dir = tempfile.TemporaryDirectory(prefix="llm-completions-metrics-")
     os.environ[MULTIPROCESS_ENV] = metrics_dir.name  # before any frontend imports its metrics
@@ -150,7 +153,7 @@ def run_replica(server: ServerSettings, engine: EngineSettings, log_setup: tuple
     core: EngineCore | None = None
     stopped_while_starting = failed = False
     try:
-        core = launch_engine_core(engine, server.api_server_count, frontends.start)
+        core = launch_engine_core(engine, server.api_server_count, frontends.start, standby)
         stopping.serving = True
         if current_platform.is_cpu():
             confine_engine_core()

@@ -30,7 +30,9 @@ from service.api.tokenization import Tokenization
 from service.model.adapter_checks import AdapterError
 from service.model.adapters import load_adapters
 from service.model.engine import ServedModel, start_engine
+from service.model.in_core_worker import may_run_worker_in_core
 from service.model.load import LoadSnapshot
+from service.model.standby_core import Standby, stand_by
 from service.settings import EngineSettings, ServerSettings
 from service.transport.auth import ApiKeyInterceptor, OperatorKeyInterceptor
 from service.transport.error_mapping import ErrorMappingInterceptor
@@ -241,19 +243,22 @@ def run_server(
     skips. uvloop, as vLLM's own server: each streamed token wakes the loop twice (the engine's
     output, then gRPC's write completing), and uvloop's wake-ups cost less (docs/benchmarks.md,
     the frontend-heavy workload)."""
+    # Before the first thread and socket: the engine core's copy of this process.
+    standby = stand_by(role is None and may_run_worker_in_core(engine_settings))
     loop = uvloop.new_event_loop()
     asyncio.set_event_loop(loop)
-    return loop.run_until_complete(serve(server_settings, engine_settings, role))
+    return loop.run_until_complete(serve(server_settings, engine_settings, role, standby))
 
 
 async def serve(
     server_settings: ServerSettings,
     engine_settings: EngineSettings,
     role: FrontendRole | None = None,
+    standby: Standby | None = None,
 ) -> int:
     """Run until SIGINT or SIGTERM; return the process exit code. With a `role`, as one of
     several frontends over an engine core that the parent process runs (and whose metrics it
-    serves)."""
+    serves); else with the `standby` copy of this process to run the engine core, if any."""
     if server_settings.tracing is not None:  # before the engine's: vLLM's spans go with ours
         frontend = {} if role is None else {FRONTEND_ATTRIBUTE: str(role.link.index)}
         start_tracing(server_settings.tracing, frontend)
@@ -285,7 +290,7 @@ async def serve(
     gauges: asyncio.Task[None] | None = None
     adapter_root: asyncio.Task[None] | None = None
     link = None if role is None else role.link
-    loading = asyncio.ensure_future(asyncio.to_thread(start_engine, engine_settings, link))
+    loading = asyncio.ensure_future(asyncio.to_thread(start_engine, engine_settings, link, standby))
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
     exit_code = 0

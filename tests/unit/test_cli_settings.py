@@ -524,11 +524,15 @@ def served(monkeypatch: pytest.MonkeyPatch) -> list[tuple[ServerSettings, Engine
 
     received: list[tuple[ServerSettings, EngineSettings]] = []
 
-    async def fake_serve(server: ServerSettings, engine: EngineSettings, role: None = None) -> int:
+    async def fake_serve(
+        server: ServerSettings, engine: EngineSettings, role: None = None, standby: None = None
+    ) -> int:
         received.append((server, engine))
         return 0
 
     monkeypatch.setattr(service.transport.server, "serve", fake_serve)
+    # The engine core's copy of the server (service/model/standby_core.py) is not made here.
+    monkeypatch.setattr(service.transport.server, "stand_by", lambda wanted: None)
     return received
 
 

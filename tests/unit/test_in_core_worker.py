@@ -21,7 +21,8 @@ def config(world_size: int = 1, data_parallel: int = 1, backend: str = "mp") -> 
         _api_process_count=1,
         distributed_executor_backend=backend,
     )
-    return SimpleNamespace(parallel_config=parallel, kv_transfer_config=None)
+    model = SimpleNamespace(multimodal_config=None)
+    return SimpleNamespace(parallel_config=parallel, kv_transfer_config=None, model_config=model)
 
 
 @pytest.mark.parametrize("chosen", [None, "uni"])

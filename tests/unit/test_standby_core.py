@@ -1,0 +1,132 @@
+"""The engine core as a copy of the server forked after its imports: the copy runs the process
+multiprocessing hands it as a forked child would, with the environment of the launch, and
+exits when dismissed; a server that ran torch with several threads, or runs a thread, spawns."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from multiprocessing import Event
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+
+import pytest
+import torch
+
+from service.model import standby_core
+from service.model.standby_core import StandbyContext, standing_in
+
+EXIT_CODE_ENV = "STANDBY_TEST_EXIT_CODE"
+
+
+def report(path: Path) -> None:
+    """Run in the copy: what a process there sees."""
+    with path.open("w") as out:
+        print(
+            os.getpid(),
+            os.environ.get("STANDBY_TEST_VALUE"),
+            sorted(os.sched_getaffinity(0)),
+            torch.get_num_threads(),
+            file=out,
+        )
+    sys.exit(int(os.environ.get(EXIT_CODE_ENV, "0")))
+
+
+@pytest.fixture
+def standby(monkeypatch: pytest.MonkeyPatch) -> Iterator[standby_core.Standby]:
+    monkeypatch.setattr(standby_core, "ENGINE_CORE_MODULES", ())
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # as if loaded single-threaded
+    monkeypatch.setattr(torch, "set_num_threads", lambda count: None)  # this process keeps its own
+    copy = standby_core.stand_by(wanted=True)
+    assert copy is not None
+    yield copy
+    copy.dismiss()
+
+
+def launch(copy: standby_core.Standby, path: Path, cores: tuple[int, ...] = ()) -> BaseProcess:
+    """Start `report` as vLLM starts its engine core, with the copy standing in."""
+    with standing_in(copy, cores):
+        import vllm.v1.engine.utils as vllm_engine_utils
+
+        process = vllm_engine_utils.get_mp_context().Process(target=report, args=(path,))
+        process.start()
+    return process
+
+
+def test_the_copy_runs_the_handed_process_with_the_launchs_environment(
+    standby: standby_core.Standby, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "seen"
+    monkeypatch.setenv("STANDBY_TEST_VALUE", "set-after-the-fork")
+    monkeypatch.setenv(EXIT_CODE_ENV, "3")
+    process = launch(standby, path)
+    process.join(30)
+    pid, value, _, _ = path.read_text().split(" ", 3)
+    assert int(pid) == standby.pid == process.pid
+    assert value == "set-after-the-fork"
+    assert process.exitcode == 3  # multiprocessing sees the copy's exit as its child's
+
+
+def test_the_copy_binds_itself_to_the_engines_cores(
+    standby: standby_core.Standby, tmp_path: Path
+) -> None:
+    path = tmp_path / "seen"
+    core = min(os.sched_getaffinity(0))
+    process = launch(standby, path, (core,))
+    process.join(30)
+    assert path.read_text().split(" ", 2)[2].startswith(f"[{core}]")
+
+
+def test_a_dismissed_copy_exits_and_another_launch_spawns(standby: standby_core.Standby) -> None:
+    standby.dismiss()
+    with pytest.raises(ChildProcessError):
+        os.waitpid(standby.pid, os.WNOHANG)  # reaped: it exited
+    import vllm.v1.engine.utils as vllm_engine_utils
+
+    with standing_in(standby, ()):
+        assert vllm_engine_utils.get_mp_context() is not StandbyContext
+
+
+def test_a_server_that_ran_torch_on_several_threads_or_runs_a_thread_spawns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch, "set_num_threads", lambda count: None)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert standby_core.stand_by(wanted=True) is None
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    stop = Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    try:
+        assert standby_core.stand_by(wanted=True) is None
+    finally:
+        stop.set()
+        thread.join()
+    assert standby_core.stand_by(wanted=False) is None
+
+
+def test_torch_loads_single_threaded_and_the_usual_count_comes_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    with standby_core.torch_loaded_single_threaded():
+        assert os.environ["OMP_NUM_THREADS"] == "1"
+    assert os.environ["OMP_NUM_THREADS"] == "4"
+    assert standby_core.usual_thread_count() == 4
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    with standby_core.torch_loaded_single_threaded():
+        pass
+    assert "OMP_NUM_THREADS" not in os.environ
+    assert standby_core.usual_thread_count() == len(os.sched_getaffinity(0))
+
+
+def test_the_environment_taken_keeps_what_is_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KEPT", "1")
+    monkeypatch.setenv("DROPPED", "1")
+    wanted = {**os.environ, "ADDED": "2"}
+    del wanted["DROPPED"]
+    standby_core.take_environment(wanted)
+    assert dict(os.environ) == wanted
+    monkeypatch.delenv("ADDED")
