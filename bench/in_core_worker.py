@@ -1,15 +1,17 @@
 """The worker inside the engine core against vLLM's CPU arrangement (a worker process of its
 own): start-up and decoding cost, on the service's own engine path (`start_engine`).
 
-Each round starts the engine both ways, one after the other (their order alternating between
-rounds), each in a fresh process bound to the same core: `--distributed-executor-backend mp`
-keeps vLLM's arrangement, the default runs the worker in the engine core. Measured per start:
-seconds and CPU-seconds (the process and every child) from the process's start to a ready
-engine; then, greedy decoding of 128 tokens for 1 and for 4 calls at once: wall and CPU time a
-step. Figures of the in-core engine are reported as ratios to vLLM's arrangement in the same
-round, and the medians over rounds.
+Each round starts the engine in each arrangement, one after the other (their order alternating
+between rounds), each in a fresh process bound to the same core: "vllm" keeps vLLM's
+arrangement (`--distributed-executor-backend mp`), "in-core" runs the worker in a spawned engine
+core, "standby" in an engine core that is a copy of the process forked after its imports, as
+the server does (service/model/standby_core.py). Measured per start: seconds and CPU-seconds
+(the process and every child) from the process's start to a ready engine; then, greedy decoding
+of 128 tokens for 1 and for 4 calls at once: wall and CPU time a step. Figures are reported as
+ratios to the first arrangement named in the same round, and the medians over rounds.
 
 Usage: python -m bench.in_core_worker [--rounds N] [--core C] [--tokens N]
+       [--arrangements vllm,in-core | in-core,standby | ...]
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from typing import Any
 
 import psutil
 
-ARRANGEMENTS = {"vllm": "mp", "in-core": None}  # the executor backend each is asked for
+# The executor backend each is asked for; "standby" runs its engine core in a forked copy.
+ARRANGEMENTS = {"vllm": "mp", "in-core": None, "standby": None}
 BATCHES = (1, 4)
 PROMPT = "The capital of France is"
 
@@ -71,17 +74,21 @@ async def decode(engine: Any, batch: int, tokens: int) -> tuple[float, float]:
 
 def measure_one(arrangement: str, core: int, tokens: int) -> dict[str, Any]:
     """In this process: start the service's engine in `arrangement` and measure it."""
-    from service.model.engine import start_engine
-    from service.settings import EngineSettings
+    from service.model.standby_core import stand_by, torch_loaded_single_threaded
 
     began = started_at()
+    with torch_loaded_single_threaded():
+        from service.model.engine import start_engine
+        from service.settings import EngineSettings
+
+    standby = stand_by(arrangement == "standby")
     settings = EngineSettings(
         model=None,
         served_model_name="default",
         cpu_cores=(core,),
         distributed_executor_backend=ARRANGEMENTS[arrangement],
     )
-    served = start_engine(settings)
+    served = start_engine(settings, standby=standby)
     result: dict[str, Any] = {
         "ready_s": time.monotonic() - began,
         "ready_cpu_s": process_cpu_seconds(),
@@ -110,16 +117,18 @@ def run_one(arrangement: str, core: int, tokens: int) -> dict[str, Any]:
     return json.loads(lines[-1])
 
 
-def report(rounds: list[dict[str, dict[str, Any]]]) -> None:
+def report(rounds: list[dict[str, dict[str, Any]]], names: list[str]) -> None:
     keys = ["ready_s", "ready_cpu_s"]
     keys += [f"step{kind}_b{batch}" for batch in BATCHES for kind in ("_ms", "_cpu_ms")]
+    baseline = names[0]
     print("| figure | " + " | ".join(f"round {i + 1}" for i in range(len(rounds))) + " | median |")
     print("|---" * (len(rounds) + 2) + "|")
-    for key in keys:
-        cells = [f"{r['in-core'][key]:.1f} / {r['vllm'][key]:.1f}" for r in rounds]
-        ratio = statistics.median(r["in-core"][key] / r["vllm"][key] for r in rounds)
-        print(f"| {key} (in-core / vLLM's) | {' | '.join(cells)} | {ratio:.2f}x |")
-    for name in ARRANGEMENTS:
+    for name in names[1:]:
+        for key in keys:
+            cells = [f"{r[name][key]:.1f} / {r[baseline][key]:.1f}" for r in rounds]
+            ratio = statistics.median(r[name][key] / r[baseline][key] for r in rounds)
+            print(f"| {key} ({name} / {baseline}) | {' | '.join(cells)} | {ratio:.2f}x |")
+    for name in names:
         print(f"{name}: processes {rounds[0][name]['processes']}")
 
 
@@ -128,18 +137,22 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--core", type=int, default=max(os.sched_getaffinity(0)))
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--arrangements", default="vllm,in-core", help="the first is the baseline")
     parser.add_argument("--one", choices=sorted(ARRANGEMENTS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         print(json.dumps(measure_one(args.one, args.core, args.tokens)), flush=True)
         return
+    names = args.arrangements.split(",")
+    if unknown := set(names) - set(ARRANGEMENTS):
+        parser.error(f"unknown arrangements {sorted(unknown)}; known: {sorted(ARRANGEMENTS)}")
     rounds = []
     for index in range(args.rounds):
-        order = list(ARRANGEMENTS) if index % 2 == 0 else list(reversed(ARRANGEMENTS))
+        order = names if index % 2 == 0 else list(reversed(names))
         measured = {name: run_one(name, args.core, args.tokens) for name in order}
         print(f"round {index + 1}: {json.dumps(measured)}", file=sys.stderr, flush=True)
         rounds.append(measured)
-    report(rounds)
+    report(rounds, names)
 
 
 if __name__ == "__main__":

@@ -14,14 +14,17 @@ import re
 from collections.abc import AsyncIterator
 from typing import Any
 
-from vllm.outputs import RequestOutput
-from vllm.v1.engine.exceptions import EngineGenerateError
-
 from service import cli
-from service.model.engine import ServedModel, start_engine
-from service.model.frontends import FrontendLink
-from service.settings import EngineSettings
-from service.transport import server
+from service.model.standby_core import Standby, torch_loaded_single_threaded
+
+with torch_loaded_single_threaded():  # as the server loads it: its engine core is its copy
+    from vllm.outputs import RequestOutput
+    from vllm.v1.engine.exceptions import EngineGenerateError
+
+    from service.model.engine import ServedModel, start_engine
+    from service.model.frontends import FrontendLink
+    from service.settings import EngineSettings
+    from service.transport import server
 
 # Engine request ids start with the request id (service.api.completions).
 FAULT = re.compile(r"^(?:chatcmpl-)?inject-engine-error-after-(\d{1,6})-")
@@ -52,8 +55,10 @@ class FaultInjectingEngine:
             yield output
 
 
-def start_faulty_engine(settings: EngineSettings, link: FrontendLink | None = None) -> ServedModel:
-    model = start_engine(settings, link)
+def start_faulty_engine(
+    settings: EngineSettings, link: FrontendLink | None = None, standby: Standby | None = None
+) -> ServedModel:
+    model = start_engine(settings, link, standby)
     return dataclasses.replace(model, engine=FaultInjectingEngine(model.engine))
 
 
