@@ -1,7 +1,8 @@
 """The engine's processes never outlive the server: stopped at any moment of its start, with
 SIGTERM or SIGKILL, a replica exits at once and leaves no process; with two frontend
 processes (API_SERVER_COUNT=2) too, stopped while its engine core loads and its frontends
-start. (Killed outright once it
+start. (A copy of the server standing by for the engine core, killed with the server:
+tests/unit/test_standby_core.py. Killed outright once it
 serves: tests/test_multi_replica.py, where a replica of a fleet is SIGKILLed. Started beside
 another engine with automatic binding: tests/test_service_lifecycle.py.)"""
 
@@ -37,9 +38,12 @@ def engine_processes(server: psutil.Process) -> list[psutil.Process]:
 # since its engine core appeared (None before), and its log.
 StageReached = Callable[[float | None, str], bool]
 STAGES: dict[str, StageReached] = {
+    # The engine core has just been launched: the server's copy, standing by since the end of
+    # the server's imports (service/model/standby_core.py), has taken vLLM's engine core on.
     "just spawned": lambda core_age, log: core_age is not None,
-    # The core spends its first seconds importing torch and vLLM, before it loads any plugin.
-    "importing": lambda core_age, log: core_age is not None and core_age >= 1.0,
+    # Its first second: handed the engine, it sets up (the engine's configuration, its queues,
+    # the device), before it loads the model.
+    "setting up": lambda core_age, log: core_age is not None and core_age >= 1.0,
     "loading weights": lambda core_age, log: "Starting to load model" in log,
     "warming up": lambda core_age, log: "Loading weights took" in log,
 }

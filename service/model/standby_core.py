@@ -41,6 +41,7 @@ from plumbing.lifetime import signal_on_parent_death
 logger = logging.getLogger(__name__)
 
 OMP_THREADS_ENV = "OMP_NUM_THREADS"
+STANDING_BY = "engine core standing by"  # the log line's start once the copy is made
 
 # What the engine core imports beyond the server's: imported before the copy is made.
 ENGINE_CORE_MODULES = (
@@ -130,7 +131,7 @@ def fork_standby() -> Standby:
         wait_for_orders(server, orders_read, parent_read)
     for end in (orders_read, sentinel_write, parent_read):
         os.close(end)
-    logger.info("engine core standing by, forked after the imports (pid %d)", pid)
+    logger.info("%s (pid %d), forked after the imports", STANDING_BY, pid)
     return Standby(pid, orders_write, sentinel_read, parent_write)
 
 

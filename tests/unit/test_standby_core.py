@@ -5,13 +5,17 @@ exits when dismissed; a server that ran torch with several threads, or runs a th
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from multiprocessing import Event
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -130,3 +134,27 @@ def test_the_environment_taken_keeps_what_is_the_same(monkeypatch: pytest.Monkey
     standby_core.take_environment(wanted)
     assert dict(os.environ) == wanted
     monkeypatch.delenv("ADDED")
+
+
+KILLED_SERVER = """
+import os, signal
+from service.model import standby_core
+standby_core.ENGINE_CORE_MODULES = ()
+with standby_core.torch_loaded_single_threaded():
+    import torch
+copy = standby_core.stand_by(wanted=True)
+print(copy.pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_copy_standing_by_dies_with_a_killed_server() -> None:
+    server = subprocess.run(
+        [sys.executable, "-c", KILLED_SERVER], capture_output=True, text=True, timeout=120
+    )
+    assert server.returncode == -signal.SIGKILL, server.stderr
+    copy = int(server.stdout.split()[-1])
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(copy) and psutil.Process(copy).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the copy outlived its server"
+        time.sleep(0.05)
