@@ -23,6 +23,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from bench.servers import VllmOpenAIServer
 from service.api.tenants import hash_key
 from service.model.default_model import DEFAULT_SERVED_MODEL_NAME, prepare_default_model
+from service.model.placement import CPU_BIND_ENV
 from tests.engines import STARTS, Engine, SharedEngines
 from tests.models import build_adapter, with_bos_tokenizer
 from tests.otlp import OtlpReceiver
@@ -85,11 +86,11 @@ LATE_MODULES = (
     "test_runtime_adapters.py",  # the adapter stack (it puts away every adapter it adds)
     "test_pools.py",  # the default stack and the adapter stack as two pools
     "test_fleet_adapters.py",  # a pair of its own, stopped before the fleet starts
+    "test_capacity.py",  # the small engine, beside the fleet
+    "test_service_lifecycle.py",  # the small engine (its last test drains and stops it)
     "test_tracing.py",  # the fleet (its last test stops the fleet's span receiver)
     "test_prefix_routing.py",  # the fleet (its last test kills a replica)
     "test_engine_death.py",  # the fleet's other replica: its engine is killed
-    "test_capacity.py",  # the small engine
-    "test_service_lifecycle.py",  # the small engine (its last test drains and stops it)
     "test_tls.py",
     "test_multi_replica.py",
     "test_engine_lifetime.py",
@@ -362,7 +363,8 @@ def start_small(model_dir: Path, logs: Path) -> Engine:
             *("--shutdown-grace", "60"),
         ],
         logs / "small-service.log",
-        env={"LOG_FORMAT": "json"},
+        # vLLM's automatic binding, whatever the shard sets for its engines.
+        env={"LOG_FORMAT": "json", CPU_BIND_ENV: "auto"},
     )
     health = HealthWatch(stack.grpc_target).start()
     stack.start()
@@ -414,8 +416,9 @@ SHARED = SharedEngines(
         "small": lambda: start_small(model_input(), logs_input()),
     },
     groups=SHARED_GROUPS,
-    # The small engine starts beside the default stack: its placement then shows the sharing.
-    requires={"small": frozenset({"main"})},
+    # The small engine starts beside the fleet's replicas: its placement (vLLM's automatic
+    # binding) then shows the sharing.
+    requires={"small": frozenset({"fleet"})},
 )
 
 

@@ -5,10 +5,11 @@ line by line under the shard's name, and exits non-zero if any shard failed.
 One session alone kept the 2-core host 40-80 % busy (it waits on streams, drains, keepalives
 and timeouts as much as it computes); two side by side keep it busy and finish in about half
 the time of one session. The shards split the modules so that no engine is started by two of
-them: "stack" runs every module of the default stack, vLLM's servers, the adapter stack and the
-small engine; "fleet" the traced fleet's modules and the others that start, stop or kill
-engines of their own (the TLS stack's among them). conftest.py refuses a shared engine to a
-shard that does not own it (TEST_SHARD names the shard a session runs).
+them: "stack" runs every module of the default stack, vLLM's servers and the adapter stack;
+"fleet" the traced fleet's modules, the small engine's (which starts beside the fleet), and the
+others that start, stop or kill engines of their own (the TLS stack's among them). conftest.py
+refuses a shared engine to a shard that does not own it (TEST_SHARD names the shard a session
+runs).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ SHARD_ENV = "TEST_SHARD"
 # equally long (a working copy on 2026-12-06: stack 18.3, fleet 16.5 minutes before the TLS
 # stack's module moved to "fleet"). Every other module runs in "stack".
 FLEET_MODULES = (
+    "test_capacity.py",
     "test_engine_death.py",
     "test_engine_lifetime.py",
     "test_fleet_adapters.py",
@@ -40,13 +42,14 @@ FLEET_MODULES = (
     "test_prefix_routing.py",
     "test_profile_summary.py",
     "test_proto_lint.py",
+    "test_service_lifecycle.py",
     "test_tls.py",
     "test_tracing.py",
 )
 # The shared engines (tests/engines.py) each shard may start.
 SHARD_ENGINES = {
-    "stack": frozenset({"main", "vllm", "lora", "vllm-lora", "small"}),
-    "fleet": frozenset({"fleet"}),
+    "stack": frozenset({"main", "vllm", "lora", "vllm-lora"}),
+    "fleet": frozenset({"fleet", "small"}),
 }
 # vLLM's CPU build binds its worker to core 0 when not told, so the "fleet" shard's own
 # engines go on the other core (where there is one) unless a test places them itself.

@@ -2,9 +2,9 @@
 its scheduler orders them and its gauges show them, and only a backlog past the bounds is
 refused (429 / RESOURCE_EXHAUSTED with a retry hint), at once and without harm to the rest.
 
-The session stack runs the default bounds; the session's small engine runs a batch of 4,
-priority scheduling and small backlog bounds, so that waiting, refusing and ordering show
-within seconds."""
+The session's small engine runs a batch of 4, priority scheduling and small backlog bounds, so
+that waiting, refusing and ordering show within seconds. (The default bounds, on the session
+stack: tests/test_burst.py.)"""
 
 from __future__ import annotations
 
@@ -28,8 +28,6 @@ from llmcompletions.v2.completions_pb2 import CreateChatCompletionRequest, Creat
 
 from service.api.errors import OverloadedError
 from tests.conftest import (
-    API_KEY,
-    AUTH_HEADERS,
     BOS_MODEL,
     MODEL,
     SMALL_BATCH,
@@ -40,7 +38,6 @@ from tests.conftest import (
 from tests.metrics import GaugeWatch, scrape
 from tests.processes import TestStack
 
-OLD_FRONTEND_LIMIT = 32 + 128  # what the frontend used to admit and hold, whatever the engine
 BURST_PER_SURFACE = 256
 # The small engine's max_num_seqs, --max-num-queued-reqs and --max-num-queued-tokens.
 BATCH, QUEUED_REQS, QUEUED_TOKENS = SMALL_BATCH, SMALL_QUEUED_REQS, SMALL_QUEUED_TOKENS
@@ -172,39 +169,6 @@ def wait_until_idle(metrics_url: str, timeout: float = 120) -> None:
     ]:
         assert time.monotonic() < deadline, "engine requests left running"
         time.sleep(0.2)
-
-
-# ---- the default bounds (the session stack)
-
-
-def test_a_burst_far_past_the_old_limits_is_served_in_full_on_both_surfaces(
-    stack: TestStack, metrics_url: str
-) -> None:
-    limits = capacity(metrics_url)
-    assert limits["max_num_seqs"] == 128  # vLLM's batch for an API server on a CPU
-    assert limits["max_num_queued_reqs"] >= 2 * BURST_PER_SURFACE
-
-    async def burst() -> list[Outcome]:
-        async with surfaces(stack, AUTH_HEADERS, (("authorization", f"Bearer {API_KEY}"),)) as on:
-            payload = completion("Once upon a time", max_tokens=4)
-            calls = [on.rest_call(payload) for _ in range(BURST_PER_SURFACE)]
-            calls += [on.grpc_call(payload) for _ in range(BURST_PER_SURFACE)]
-            return await asyncio.gather(*calls)
-
-    gauges = ("vllm:num_requests_running", "vllm:num_requests_waiting")
-    with GaugeWatch(metrics_url, gauges) as watch:
-        outcomes = asyncio.run(burst())
-    statuses = collections.Counter(outcome.status for outcome in outcomes)
-    assert statuses == {"200": BURST_PER_SURFACE, "OK": BURST_PER_SURFACE}
-    assert 2 * BURST_PER_SURFACE > OLD_FRONTEND_LIMIT
-    assert all(outcome.finish_reasons == ["length"] for outcome in outcomes)
-    # The engine ran its whole batch, and the rest waited in its queue, in view. The gauge is
-    # sampled after a step, when the requests that just finished have left the batch and
-    # those that replace them may not have arrived yet: a full batch shows as within a few.
-    peak = watch.peaks["vllm:num_requests_running"]
-    assert limits["max_num_seqs"] - 8 <= peak <= limits["max_num_seqs"]
-    assert watch.peaks["vllm:num_requests_waiting"] > 0
-    wait_until_idle(metrics_url)
 
 
 # ---- a small engine: a batch of 4, priority scheduling, small backlog bounds
