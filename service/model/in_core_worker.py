@@ -64,15 +64,18 @@ def may_run_worker_in_core(settings: EngineSettings) -> bool:
 def engine_core_environment(config: VllmConfig, standby: Standby | None = None) -> Iterator[None]:
     """Hold while the engine core is launched: when it runs the worker, the OpenMP binding that
     vLLM gives a worker process of rank 0, and the server's standing-by copy as the process
-    (service/model/standby_core.py); nothing otherwise."""
+    (service/model/standby_core.py); nothing otherwise (a copy made is then let go)."""
     in_core = config.parallel_config.distributed_executor_backend == IN_CORE
+    # A multimodal model's engine core is handed a queue of tensors: open files a copy made
+    # before cannot receive.
+    if not (in_core and current_platform.is_cpu()) or config.model_config.multimodal_config:
+        if standby is not None:
+            standby.dismiss()
+        standby = None
     if not (in_core and current_platform.is_cpu()):
         yield
         return
     threads = OMPProcessManager(config)
     cores = () if threads.skip_setup or not threads.cpu_lists else threads.cpu_lists[0]
-    with (
-        threads.configure_omp_envs(rank=0, local_rank=0),
-        standing_in(standby if config.model_config.multimodal_config is None else None, cores),
-    ):
+    with threads.configure_omp_envs(rank=0, local_rank=0), standing_in(standby, cores):
         yield

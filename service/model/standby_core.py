@@ -109,7 +109,7 @@ def stand_by(wanted: bool) -> Standby | None:
         if not wanted or not sys.platform.startswith("linux"):
             return None
         if torch.get_num_threads() != 1 or threading.active_count() > 1:
-            logger.warning("torch or a thread already ran: vLLM spawns its engine core")
+            logger.warning("torch ran threads, or a thread runs: vLLM spawns the engine core")
             return None
         return fork_standby()
     finally:

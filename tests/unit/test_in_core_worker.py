@@ -74,3 +74,26 @@ def test_the_engine_core_is_spawned_with_its_workers_binding_and_only_it() -> No
 def test_an_engine_core_with_worker_processes_is_spawned_as_vllm_spawns_it() -> None:
     with in_core_worker.engine_core_environment(config(backend="mp")):
         assert "GOMP_CPU_AFFINITY" not in os.environ
+
+
+class FakeStandby:
+    """A copy that records being let go."""
+
+    def __init__(self) -> None:
+        self.dismissed = False
+
+    def dismiss(self) -> None:
+        self.dismissed = True
+
+
+@pytest.mark.usefixtures("bound_to_core_1")
+@pytest.mark.parametrize("multimodal", [False, True])
+def test_a_copy_made_for_an_engine_that_cannot_use_it_is_let_go(multimodal: bool) -> None:
+    resolved = config(backend="mp")  # vLLM's worker processes: the core is spawned
+    if multimodal:
+        resolved = config(backend="uni")
+        resolved.model_config.multimodal_config = object()  # hands the core a tensor queue
+    copy = FakeStandby()
+    with in_core_worker.engine_core_environment(resolved, copy):  # type: ignore[arg-type]
+        pass
+    assert copy.dismissed
