@@ -2,15 +2,16 @@
 own): start-up and decoding cost, on the service's own engine path (`start_engine`).
 
 Each round starts the engine in each arrangement, one after the other (their order alternating
-between rounds), each in a fresh process bound to the same core: "vllm" keeps vLLM's
-arrangement (`--distributed-executor-backend mp`), "in-core" runs the worker in a spawned engine
-core, "standby" in an engine core that is a copy of the process forked after its imports, as
-the server does (service/model/standby_core.py). Measured per start: seconds and CPU-seconds
+between rounds), each in a fresh process whose engine is bound to the same cores (`--cores`,
+default the last core): "vllm" keeps vLLM's arrangement (`--distributed-executor-backend mp`),
+"in-core" runs the worker in a spawned engine core, "standby" in an engine core that is a copy
+of the process forked after its imports, as the server does (service/model/standby_core.py).
+Measured per start: seconds and CPU-seconds
 (the process and every child) from the process's start to a ready engine; then, greedy decoding
 of 128 tokens for 1 and for 4 calls at once: wall and CPU time a step. Figures are reported as
 ratios to the first arrangement named in the same round, and the medians over rounds.
 
-Usage: python -m bench.in_core_worker [--rounds N] [--core C] [--tokens N]
+Usage: python -m bench.in_core_worker [--rounds N] [--cores C[,C...]] [--tokens N]
        [--arrangements vllm,in-core | in-core,standby | ...]
 """
 
@@ -72,7 +73,7 @@ async def decode(engine: Any, batch: int, tokens: int) -> tuple[float, float]:
     return (time.monotonic() - wall) / tokens, (process_cpu_seconds() - cpu) / tokens
 
 
-def measure_one(arrangement: str, core: int, tokens: int) -> dict[str, Any]:
+def measure_one(arrangement: str, cores: tuple[int, ...], tokens: int) -> dict[str, Any]:
     """In this process: start the service's engine in `arrangement` and measure it."""
     from service.model.standby_core import stand_by, torch_loaded_single_threaded
 
@@ -85,7 +86,7 @@ def measure_one(arrangement: str, core: int, tokens: int) -> dict[str, Any]:
     settings = EngineSettings(
         model=None,
         served_model_name="default",
-        cpu_cores=(core,),
+        cpu_cores=cores,
         distributed_executor_backend=ARRANGEMENTS[arrangement],
     )
     served = start_engine(settings, standby=standby)
@@ -107,9 +108,9 @@ def measure_one(arrangement: str, core: int, tokens: int) -> dict[str, Any]:
     return result
 
 
-def run_one(arrangement: str, core: int, tokens: int) -> dict[str, Any]:
+def run_one(arrangement: str, cores: str, tokens: int) -> dict[str, Any]:
     command = [sys.executable, "-m", "bench.in_core_worker", "--one", arrangement]
-    command += ["--core", str(core), "--tokens", str(tokens)]
+    command += ["--cores", cores, "--tokens", str(tokens)]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
@@ -135,13 +136,16 @@ def report(rounds: list[dict[str, dict[str, Any]]], names: list[str]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--core", type=int, default=max(os.sched_getaffinity(0)))
+    parser.add_argument(
+        "--cores", default=str(max(os.sched_getaffinity(0))), help="the engine's, e.g. 1 or 0,1"
+    )
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--arrangements", default="vllm,in-core", help="the first is the baseline")
     parser.add_argument("--one", choices=sorted(ARRANGEMENTS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(measure_one(args.one, args.core, args.tokens)), flush=True)
+        cores = tuple(int(core) for core in args.cores.split(","))
+        print(json.dumps(measure_one(args.one, cores, args.tokens)), flush=True)
         return
     names = args.arrangements.split(",")
     if unknown := set(names) - set(ARRANGEMENTS):
@@ -149,7 +153,7 @@ def main() -> None:
     rounds = []
     for index in range(args.rounds):
         order = names if index % 2 == 0 else list(reversed(names))
-        measured = {name: run_one(name, args.core, args.tokens) for name in order}
+        measured = {name: run_one(name, args.cores, args.tokens) for name in order}
         print(f"round {index + 1}: {json.dumps(measured)}", file=sys.stderr, flush=True)
         rounds.append(measured)
     report(rounds, names)
