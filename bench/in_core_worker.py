@@ -6,10 +6,10 @@ between rounds), each in a fresh process whose engine is bound to the same cores
 default the last core): "vllm" keeps vLLM's arrangement (`--distributed-executor-backend mp`),
 "in-core" runs the worker in a spawned engine core, "standby" in an engine core that is a copy
 of the process forked after its imports, as the server does (service/model/standby_core.py).
-Measured per start: seconds and CPU-seconds
-(the process and every child) from the process's start to a ready engine; then, greedy decoding
-of 128 tokens for 1 and for 4 calls at once: wall and CPU time a step. Figures are reported as
-ratios to the first arrangement named in the same round, and the medians over rounds.
+Measured per start: seconds and CPU-seconds (the process and every child) from the process's
+start to a ready engine; then, greedy decoding of 128 tokens for 1 and for 4 calls at once: wall
+and CPU time a step. Figures are reported as ratios to the first arrangement named in the same
+round, and the medians over rounds.
 
 Usage: python -m bench.in_core_worker [--rounds N] [--cores C[,C...]] [--tokens N]
        [--arrangements vllm,in-core | in-core,standby | ...]

@@ -29,16 +29,20 @@ from service.settings import EngineSettings
 IN_CORE = "uni"  # vLLM's executor that runs the worker in the engine-core process
 
 
-def runs_worker_in_core(config: VllmConfig, chosen_backend: str | None) -> bool:
-    """Whether this engine runs its worker inside the engine core: vLLM's CPU build, one
-    worker, one data-parallel rank, and no other backend chosen."""
-    parallel = config.parallel_config
+def worker_fits_in_core(chosen_backend: str | None, workers: int, data_parallel: int) -> bool:
+    """vLLM's CPU build, one worker, one data-parallel rank, and no other backend chosen."""
     return (
         current_platform.is_cpu()
         and chosen_backend in (None, IN_CORE)
-        and parallel.world_size == 1
-        and parallel.data_parallel_size == 1
+        and workers == 1
+        and data_parallel == 1
     )
+
+
+def runs_worker_in_core(config: VllmConfig, chosen_backend: str | None) -> bool:
+    """Whether this engine runs its worker inside the engine core (`worker_fits_in_core`)."""
+    parallel = config.parallel_config
+    return worker_fits_in_core(chosen_backend, parallel.world_size, parallel.data_parallel_size)
 
 
 def place_worker(config: VllmConfig, chosen_backend: str | None) -> None:
@@ -49,14 +53,12 @@ def place_worker(config: VllmConfig, chosen_backend: str | None) -> None:
 
 
 def may_run_worker_in_core(settings: EngineSettings) -> bool:
-    """Whether an engine of these settings will run its worker inside the engine core (known
-    before vLLM resolves its configuration): vLLM's CPU build, one worker, one data-parallel
-    rank, and no other backend chosen."""
-    return (
-        current_platform.is_cpu()
-        and settings.distributed_executor_backend in (None, IN_CORE)
-        and settings.tensor_parallel_size * settings.pipeline_parallel_size == 1
-        and settings.data_parallel_size == 1
+    """Whether an engine of these settings will run its worker inside the engine core, known
+    before vLLM resolves its configuration."""
+    return worker_fits_in_core(
+        settings.distributed_executor_backend,
+        settings.tensor_parallel_size * settings.pipeline_parallel_size,
+        settings.data_parallel_size,
     )
 
 
@@ -66,13 +68,13 @@ def engine_core_environment(config: VllmConfig, standby: Standby | None = None) 
     vLLM gives a worker process of rank 0, and the server's standing-by copy as the process
     (service/model/standby_core.py); nothing otherwise (a copy made is then let go)."""
     in_core = config.parallel_config.distributed_executor_backend == IN_CORE
+    in_core = in_core and current_platform.is_cpu()
     # A multimodal model's engine core is handed a queue of tensors: open files a copy made
     # before cannot receive.
-    if not (in_core and current_platform.is_cpu()) or config.model_config.multimodal_config:
-        if standby is not None:
-            standby.dismiss()
+    if standby is not None and (not in_core or config.model_config.multimodal_config):
+        standby.dismiss()
         standby = None
-    if not (in_core and current_platform.is_cpu()):
+    if not in_core:
         yield
         return
     threads = OMPProcessManager(config)

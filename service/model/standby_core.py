@@ -41,14 +41,12 @@ from plumbing.lifetime import signal_on_parent_death
 logger = logging.getLogger(__name__)
 
 OMP_THREADS_ENV = "OMP_NUM_THREADS"
-STANDING_BY = "engine core standing by"  # the log line's start once the copy is made
 
 # What the engine core imports beyond the server's: imported before the copy is made.
 ENGINE_CORE_MODULES = (
     "vllm.v1.engine.core",
     "vllm.v1.executor.uniproc_executor",
     "vllm.v1.worker.cpu_worker",
-    "vllm.model_executor.models.llama",
 )
 
 
@@ -131,7 +129,7 @@ def fork_standby() -> Standby:
         wait_for_orders(server, orders_read, parent_read)
     for end in (orders_read, sentinel_write, parent_read):
         os.close(end)
-    logger.info("%s (pid %d), forked after the imports", STANDING_BY, pid)
+    logger.info("engine core standing by (pid %d), forked after the imports", pid)
     return Standby(pid, orders_write, sentinel_read, parent_write)
 
 
@@ -159,13 +157,15 @@ def wait_for_orders(server: int, orders: int, parent_sentinel: int) -> NoReturn:
 
 
 def take_environment(environment: dict[str, str]) -> None:
-    """Make this process's environment `environment`, changing only what differs (emptying it
-    first would leave setproctitle no room for vLLM's process title)."""
-    for name in set(os.environ) - set(environment):
-        del os.environ[name]
-    os.environ.update(
-        {name: value for name, value in environment.items() if os.environ.get(name) != value}
-    )
+    """Make this process's environment `environment`. setproctitle claims the memory of the
+    arguments and the environment the first time it is used, and finds no room for a title
+    (vLLM's `VLLM::EngineCore`) once the environment has changed: it is made to claim it first."""
+    with contextlib.suppress(ImportError):
+        import setproctitle
+
+        setproctitle.getproctitle()
+    os.environ.clear()
+    os.environ.update(environment)
 
 
 def bind_threads(cores: Sequence[int]) -> None:
@@ -237,6 +237,6 @@ def standing_in(standby: Standby | None, cores: Sequence[int]) -> Iterator[None]
     finally:
         vllm_engine_utils.get_mp_context = launch_context
         StandbyPopen.standby = None
-    if not standby.handed:
-        logger.warning("the standing-by engine core was not used; vLLM spawned its own")
-        standby.dismiss()
+        if not standby.handed:  # the launch failed, or spawned a process of its own
+            logger.warning("the standing-by engine core was not used: letting it go")
+            standby.dismiss()

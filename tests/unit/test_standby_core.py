@@ -126,7 +126,7 @@ def test_torch_loads_single_threaded_and_the_usual_count_comes_back(
     assert standby_core.usual_thread_count() == len(os.sched_getaffinity(0))
 
 
-def test_the_environment_taken_keeps_what_is_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_environment_taken_is_the_launchs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KEPT", "1")
     monkeypatch.setenv("DROPPED", "1")
     wanted = {**os.environ, "ADDED": "2"}
@@ -134,6 +134,38 @@ def test_the_environment_taken_keeps_what_is_the_same(monkeypatch: pytest.Monkey
     standby_core.take_environment(wanted)
     assert dict(os.environ) == wanted
     monkeypatch.delenv("ADDED")
+
+
+def titled(path: Path) -> None:
+    """Run in the copy: take vLLM's engine-core title, report the name the kernel shows."""
+    from vllm.utils.system_utils import set_process_title
+
+    set_process_title("EngineCore")
+    path.write_text(Path("/proc/self/comm").read_text().strip())
+
+
+def test_the_copy_takes_vllms_title_whatever_the_environment_became(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The launch's environment lacks a variable the copy was made with and has one it lacked
+    (vLLM's placement and the parent-death tie are set after the copy is made)."""
+    monkeypatch.setattr(standby_core, "ENGINE_CORE_MODULES", ())
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(torch, "set_num_threads", lambda count: None)
+    monkeypatch.setenv("STANDBY_TEST_GONE_AT_THE_LAUNCH", "1")
+    copy = standby_core.stand_by(wanted=True)
+    assert copy is not None
+    monkeypatch.delenv("STANDBY_TEST_GONE_AT_THE_LAUNCH")
+    monkeypatch.setenv("STANDBY_TEST_SET_AT_THE_LAUNCH", "1")
+    path = tmp_path / "comm"
+    with standing_in(copy, ()):
+        import vllm.v1.engine.utils as vllm_engine_utils
+
+        engine_core = vllm_engine_utils.get_mp_context().Process(target=titled, args=(path,))
+        engine_core.start()
+    engine_core.join(30)
+    assert engine_core.exitcode == 0
+    assert path.read_text() == "VLLM::EngineCor"  # /proc's 15 characters of VLLM::EngineCore
 
 
 KILLED_SERVER = """
@@ -158,3 +190,13 @@ def test_a_copy_standing_by_dies_with_a_killed_server() -> None:
     while psutil.pid_exists(copy) and psutil.Process(copy).status() != psutil.STATUS_ZOMBIE:
         assert time.monotonic() < deadline, "the copy outlived its server"
         time.sleep(0.05)
+
+
+def test_a_launch_that_fails_before_the_handover_lets_the_copy_go(
+    standby: standby_core.Standby,
+) -> None:
+    with pytest.raises(RuntimeError), standing_in(standby, ()):
+        raise RuntimeError("the engine's configuration was refused")
+    assert standby.handed
+    with pytest.raises(ChildProcessError):
+        os.waitpid(standby.pid, os.WNOHANG)  # reaped: it exited
