@@ -78,9 +78,19 @@ SMALL_BATCH = 4
 SMALL_QUEUED_REQS = 40
 SMALL_QUEUED_TOKENS = 2000
 
+# The default stack's first modules, in this order, before every other: those that need only
+# the default stack, while vLLM's server starts beside it; then vLLM's server's modules, after
+# which it stops and the adapter pair starts in its place while the other modules run.
+FIRST_MODULES = (
+    "test_auth.py",
+    "test_beam_search.py",
+    "test_burst.py",
+    "test_chat.py",
+    "test_vllm_parity.py",
+)
 # Modules that share an engine run next to each other, in this order, after every other
-# module (which use the default stack and vLLM's server); each shared engine stops after its
-# last user. Within a group, those that stop or kill a shared process come last.
+# module (which use the default stack); each shared engine stops after its last user. Within
+# a group, those that stop or kill a shared process come last.
 LATE_MODULES = (
     "test_adapters.py",  # the adapter stack and vLLM's with adapters
     "test_runtime_adapters.py",  # the adapter stack (it puts away every adapter it adds)
@@ -107,7 +117,7 @@ SHARED_FIXTURES = {
     "small_stack": "small",
 }
 # Started together when a test first needs one of them (those that tests still need). The
-# adapter pair starts only when its modules do, after vLLM's server has stopped: each engine's
+# adapter pair starts only once vLLM's server has stopped (SHARED's successors): each engine's
 # processes hold about 4.5 GiB (top: worker 2.6-2.8, server 1.1, engine core 0.8), so four at
 # once beside the other shard's would come close to a 24 GiB host's memory.
 SHARED_GROUPS = (frozenset({"main", "vllm"}), frozenset({"lora", "vllm-lora"}))
@@ -419,6 +429,8 @@ SHARED = SharedEngines(
     # The small engine starts beside the fleet's replicas: its placement (vLLM's automatic
     # binding) then shows the sharing.
     requires={"small": frozenset({"fleet"})},
+    # The adapter pair takes vLLM's server's place (memory: see SHARED_GROUPS).
+    successors={"vllm": frozenset({"lora", "vllm-lora"})},
 )
 
 
@@ -451,8 +463,9 @@ def shared(request: pytest.FixtureRequest, name: str) -> Engine:
             "start: its module belongs in the shard that does (tests/shards.py)"
         )
     engines: SharedEngines = request.getfixturevalue("shared_engines")
-    starting = ({name} | engines.group_of(name)) & engines.still_needed(test_id)
-    if {"lora", "vllm-lora"} & starting:
+    # The adapters are made with the session's first engines (their builders may start
+    # between two tests, where no fixture can be made).
+    if {"lora", "vllm-lora"} & engines.still_needed(test_id):
         BUILD_INPUTS["adapter_dirs"] = request.getfixturevalue("adapter_dirs")
     return engines.get(name, test_id)
 
@@ -531,6 +544,8 @@ def metrics_url(stack: TestStack) -> str:
 
 def module_rank(item: pytest.Item) -> int:
     name = item.path.name
+    if name in FIRST_MODULES:
+        return FIRST_MODULES.index(name) - len(FIRST_MODULES)
     return LATE_MODULES.index(name) + 1 if name in LATE_MODULES else 0
 
 

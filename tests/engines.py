@@ -7,9 +7,10 @@ each was started and fails the run past its budget. tests/unit/test_engine_budge
 statically that every start names one of these and that no two places build the same engine.
 
 Shared engines (SHARED) serve every test that needs that configuration: each is started once,
-those of a group together (their imports run side by side on the host's cores), and stopped
-as soon as no test left in the session needs it, so that few are alive at once. A test gets
-its own engine only where it stops, kills, restarts or reconfigures it."""
+those of a group together (their imports run side by side on the host's cores, and a test
+waits only for the ones it needs: the rest keep starting while it runs), and stopped as soon
+as no test left in the session needs it, so that few are alive at once. A test gets its own
+engine only where it stops, kills, restarts or reconfigures it."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -95,17 +96,25 @@ STARTS = Starts()
 @dataclass
 class SharedEngines:
     """The shared engines: built by `builders` (each records its own start-up), started when a
-    test first needs one (with the rest of its group that tests still need), and stopped once
-    no remaining test needs them."""
+    test first needs one (with the rest of its group that tests still need, which a test that
+    does not need them does not wait for), and stopped once no remaining test needs them."""
 
     builders: dict[str, Callable[[], Engine]]
     groups: Sequence[frozenset[str]] = ()
     # Engines that must be running before another starts (what its tests observe needs them).
     requires: dict[str, frozenset[str]] = field(default_factory=dict)
+    # Engines started (those still needed) as soon as another stops, in its place: they start
+    # while the tests before their first run, instead of that test waiting for them.
+    successors: dict[str, frozenset[str]] = field(default_factory=dict)
     running: dict[str, Engine] = field(default_factory=dict)
+    # Started and not yet waited for: each ready (or failed) when its future is done.
+    starting: dict[str, Future[Engine]] = field(default_factory=dict)
     # For each test of the session, in order: the shared engines it and the tests after it need.
     needed_from: list[frozenset[str]] = field(default_factory=list)
     position: dict[str, int] = field(default_factory=dict)
+    starter: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(thread_name_prefix="engine-start")
+    )
 
     def plan(self, needs: Sequence[tuple[str, frozenset[str]]]) -> None:
         """The session's tests in order, each (its id, the shared engines it needs)."""
@@ -129,40 +138,53 @@ class SharedEngines:
     def get(self, name: str, test_id: str) -> Engine:
         for required in sorted(self.requires.get(name, ())):
             self.get(required, test_id)
-        if name not in self.running:
+        if name not in self.running and name not in self.starting:
             self.start({name} | self.group_of(name) & self.still_needed(test_id))
+        if name in self.starting:
+            self.running[name] = self.starting.pop(name).result()
         return self.running[name]
 
     def group_of(self, name: str) -> frozenset[str]:
         return next((group for group in self.groups if name in group), frozenset())
 
     def start(self, names: Iterable[str]) -> None:
-        """Builds and waits for the engines side by side; stops them all if one fails."""
-        wanted = sorted(set(names) - set(self.running))
+        """Starts building the engines side by side: each is in `starting` until a test waits
+        for it."""
+        wanted = sorted(set(names) - set(self.running) - set(self.starting))
         logger.info("starting shared engines: %s", ", ".join(wanted))
-        built: dict[str, Engine] = {}
+        for name in wanted:
+            self.starting[name] = self.starter.submit(self.bring_up, name)
 
-        def bring_up(name: str) -> None:
-            engine = built[name] = self.builders[name]()
-            engine.wait_ready()
-
+    def bring_up(self, name: str) -> Engine:
+        """Builds an engine and waits until it is ready; stops what it started if it fails."""
+        engine = self.builders[name]()
         try:
-            with ThreadPoolExecutor(len(wanted)) as pool:
-                list(pool.map(bring_up, wanted))
+            engine.wait_ready()
         except BaseException:
-            for engine in built.values():
-                engine.stop()
+            engine.stop()
             raise
-        self.running.update(built)
+        return engine
 
     def release_after(self, next_test_id: str | None) -> None:
         """Stops the engines that no test from `next_test_id` on needs."""
         if next_test_id is None:
             return  # the session's end stops the rest
-        for name in sorted(set(self.running) - self.still_needed(next_test_id)):
-            logger.info("stopping shared engine %s: no test left needs it", name)
-            self.running.pop(name).stop()
+        needed = self.still_needed(next_test_id)
+        for name in sorted(set(self.running) | set(self.starting)):
+            if name not in needed:
+                logger.info("stopping shared engine %s: no test left needs it", name)
+                self.stop(name)
+                if successors := self.successors.get(name, frozenset()) & needed:
+                    self.start(successors)
+
+    def stop(self, name: str) -> None:
+        if name in self.starting:
+            try:
+                self.running[name] = self.starting.pop(name).result()
+            except Exception:
+                return  # it failed to start, and stopped what it had started
+        self.running.pop(name).stop()
 
     def stop_all(self) -> None:
-        for name in list(self.running):
-            self.running.pop(name).stop()
+        for name in [*self.running, *self.starting]:
+            self.stop(name)
