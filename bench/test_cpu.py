@@ -1,17 +1,21 @@
-"""Where a pytest session's CPU goes, by test: load it as a plugin (`-p bench.test_cpu`) and
-the session's summary lists the tests and the modules that cost the most CPU, counted over the
-pytest process and every process below it (engines, Envoys, pickers started by fixtures),
-with each test's wall time beside it. A shared engine's start-up counts against the first
-test that needs it. A process re-parented away from the session (to PID 1) is lost from the
-count from then on.
+"""Where a pytest session's CPU goes, by test: load it as a plugin (`-p bench.test_cpu`) and the
+session's summary lists the tests and the modules that cost the most CPU, counted over the
+pytest process and every process below it (engines, Envoys, pickers started by fixtures), with
+pytest's own share and each test's wall time beside it. A shared engine's start-up counts
+against the test that first needs it (or the tests that run while it starts in the background).
+
+The processes are sampled each `INTERVAL` seconds and at each test's start and end, and each
+sample's CPU is charged to the test running then (as bench.suite_cpu does for the whole host): a
+process's last interval before it exits is lost, and so is a process that lives less than one.
 
 Usage: python -m tests.shards -p bench.test_cpu (each shard reports its own), or
-python -m pytest -p bench.test_cpu tests/test_x.py; BENCH_TEST_CPU_TOP sets how many lines.
+python -m pytest -p bench.test_cpu tests/test_x.py; BENCH_TEST_CPU_TOP sets how many tests.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -21,26 +25,44 @@ import psutil
 import pytest
 
 TOP = int(os.environ.get("BENCH_TEST_CPU_TOP", "40"))
+INTERVAL = 0.5
+OUTSIDE_TESTS = "(between tests: collection, shared engines stopping)"
 
 
-def own_cpu_seconds() -> float:
-    """CPU used so far by the pytest process itself (its clients, parsers, polling)."""
-    times = psutil.Process().cpu_times()
+def cpu_seconds(process: psutil.Process) -> float:
+    times = process.cpu_times()
     return times.user + times.system
 
 
-def tree_cpu_seconds() -> float:
-    """CPU used so far by this process, its live descendants, and the children each has
-    reaped."""
-    total = 0.0
-    here = psutil.Process()
-    for process in [here, *here.children(recursive=True)]:
-        try:
-            times = process.cpu_times()
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-        total += times.user + times.system + times.children_user + times.children_system
-    return total
+@dataclass
+class TreeSampler:
+    """CPU of this process and its descendants, charged to whatever `current` names."""
+
+    current: str = OUTSIDE_TESTS
+    charged: Counter[str] = field(default_factory=Counter)
+    seen: dict[tuple[int, float], float] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def sample(self) -> None:
+        here = psutil.Process()
+        with self.lock:
+            for process in [here, *here.children(recursive=True)]:
+                try:
+                    key = (process.pid, process.create_time())
+                    seconds = cpu_seconds(process)
+                except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                    continue
+                self.charged[self.current] += seconds - self.seen.get(key, 0.0)
+                self.seen[key] = seconds
+
+    def switch_to(self, name: str) -> None:
+        self.sample()
+        self.current = name
+
+    def run(self) -> None:
+        while not self.done.wait(INTERVAL):
+            self.sample()
 
 
 @dataclass(frozen=True)
@@ -52,21 +74,31 @@ class Cost:
 
 @dataclass
 class TestCpu:
+    sampler: TreeSampler = field(default_factory=TreeSampler)
     by_test: dict[str, Cost] = field(default_factory=dict)
-    session_start: float = field(default_factory=tree_cpu_seconds)
+
+    def __post_init__(self) -> None:
+        threading.Thread(target=self.sampler.run, name="test-cpu", daemon=True).start()
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item: pytest.Item) -> Iterator[None]:
-        cpu, own, wall = tree_cpu_seconds(), own_cpu_seconds(), time.monotonic()
+        own, wall = cpu_seconds(psutil.Process()), time.monotonic()
+        self.sampler.switch_to(item.nodeid)
         yield
+        self.sampler.switch_to(OUTSIDE_TESTS)
         self.by_test[item.nodeid] = Cost(
-            tree_cpu_seconds() - cpu, own_cpu_seconds() - own, time.monotonic() - wall
+            self.sampler.charged[item.nodeid],
+            cpu_seconds(psutil.Process()) - own,
+            time.monotonic() - wall,
         )
 
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
+        self.sampler.sample()
         write = terminalreporter.write_line
-        total = tree_cpu_seconds() - self.session_start
-        write(f"CPU by test (bench.test_cpu): {total / 60:.1f} CPU-minutes in the session")
+        total = sum(self.sampler.charged.values())
+        outside = self.sampler.charged[OUTSIDE_TESTS]
+        write(f"CPU by test (bench.test_cpu): {total / 60:.1f} CPU-minutes in the session,")
+        write(f"  {outside:.0f} CPU-s of them {OUTSIDE_TESTS}")
         write(f"  {'CPU-s':>7} {'pytest':>7} {'wall s':>7}")
         ranked = sorted(self.by_test.items(), key=lambda entry: -entry[1].cpu)
         for test_id, cost in ranked[:TOP]:
