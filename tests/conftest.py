@@ -80,13 +80,16 @@ SMALL_QUEUED_TOKENS = 2000
 
 # The default stack's first modules, in this order, before every other: those that need only
 # the default stack, while vLLM's server starts beside it; then vLLM's server's modules, after
-# which it stops and the adapter pair starts in its place while the other modules run.
+# which it stops and the adapter pair starts in its place while the other modules run; the
+# first of them the keepalive tests, whose minute-long held call mostly waits, while the pair's
+# start-up computes.
 FIRST_MODULES = (
     "test_auth.py",
     "test_beam_search.py",
     "test_burst.py",
     "test_chat.py",
     "test_vllm_parity.py",
+    "test_keepalive.py",
 )
 # Modules that share an engine run next to each other, in this order, after every other
 # module (which use the default stack); each shared engine stops after its last user. Within

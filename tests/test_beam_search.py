@@ -30,7 +30,9 @@ def test_beams_are_distinct_best_first_and_beat_greedy(rest: httpx.Client) -> No
 
 
 def test_length_penalty_changes_which_beams_win(rest: httpx.Client) -> None:
-    request = {"prompt": CHAT, "max_tokens": 24, "use_beam_search": True, "n": 1, "best_of": 4}
+    # 16 steps: the short winner ends by itself (13 tokens), the long one runs to the limit
+    # (every step of beam search is an engine request per beam).
+    request = {"prompt": CHAT, "max_tokens": 16, "use_beam_search": True, "n": 1, "best_of": 4}
     short = complete(rest, length_penalty=-2.0, **request)["usage"]["completion_tokens"]
     long = complete(rest, length_penalty=2.0, **request)["usage"]["completion_tokens"]
     assert short < long
