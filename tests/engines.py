@@ -151,6 +151,8 @@ class SharedEngines:
         """Starts building the engines side by side: each is in `starting` until a test waits
         for it."""
         wanted = sorted(set(names) - set(self.running) - set(self.starting))
+        if not wanted:
+            return
         logger.info("starting shared engines: %s", ", ".join(wanted))
         for name in wanted:
             self.starting[name] = self.starter.submit(self.bring_up, name)
