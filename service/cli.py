@@ -5,6 +5,7 @@ Every option can also be set by the environment variable named in its help."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from collections.abc import Sequence
 
@@ -22,6 +23,8 @@ from service.options import (
     one_of,
     server_settings,
 )
+from service.settings import EngineSettings, ServerSettings
+from service.transport.frontend_metrics import metrics_directory
 from service.transport.logs import configure_logging
 
 COMMANDS = ("serve", "prepare-model", "tenants")
@@ -74,7 +77,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from plumbing.open_files import raise_open_files_limit
     from plumbing.tls import CertificateError
     from service.api.tenants import TenantsFileError
     from service.model.adapter_checks import AdapterError, check_adapters
@@ -102,9 +104,21 @@ def run_serve(args: argparse.Namespace) -> int:
         return refuse(error)
     if (problem := frontend_ports_problem(server)) is not None:
         return refuse(problem)
+    with contextlib.ExitStack() as process_scope:
+        if server.api_server_count > 1:
+            process_scope.enter_context(metrics_directory())  # before vLLM's imports and ours
+        return serve_checked(server, engine, (args.log_level, args.log_format))
+
+
+def serve_checked(
+    server: ServerSettings, engine: EngineSettings, log_setup: tuple[str, str]
+) -> int:
+    """Import vLLM, check what needs it, and serve; the exit code."""
+    from plumbing.open_files import raise_open_files_limit
+    from service.model.adapter_checks import AdapterError
     from service.model.standby_core import torch_loaded_single_threaded
 
-    with torch_loaded_single_threaded():  # the engine core may be a copy of this process
+    with torch_loaded_single_threaded():  # the engine core, frontends may be copies of this
         from service.api.chat import ChatSettingsError, check_chat_settings
         from service.model.adapters import check_max_lora_rank
 
@@ -118,7 +132,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if server.api_server_count > 1:
         from service.transport.replica import run_replica
 
-        return run_replica(server, engine, (args.log_level, args.log_format))
+        return run_replica(server, engine, log_setup)
     from service.transport.server import run_server
 
     return run_server(server, engine)

@@ -1,14 +1,18 @@
-"""On vLLM's CPU build, the engine core starts as a copy of the server, forked once the server has
-imported torch and vLLM, instead of as a new interpreter that imports them again.
+"""The processes a server starts for its engine, the engine core on vLLM's CPU build and the
+frontends of a replica with several, start as copies of the server, forked once the server has
+imported torch and vLLM, instead of as new interpreters that import them again.
 
-vLLM's CPU build spawns its engine core: a new Python process spends its first ~10 s (as many
-CPU-seconds) importing what the server has already imported. Forking the server when vLLM
-launches the core would copy gRPC's threads and listening sockets into it, so the copy is made
-earlier (`stand_by`): right after the server's imports, before it starts a thread or opens a
-socket. The copy waits. When vLLM launches the engine core, `standing_in` hands vLLM's process
-object to the copy, which runs it as a forked multiprocessing child would (vLLM watches, signals
-and joins it by the same pid and sentinel). A copy never handed anything exits when the server
-closes its end of the pipe, or dies with the server.
+vLLM spawns its engine core on its CPU build, and a replica spawned its frontends: a new Python
+process spends its first ~10 s (as many CPU-seconds) importing what the server has already
+imported. Forking the server at the launch would copy gRPC's threads and listening sockets
+into the child, so the copies are made earlier (`stand_by`): right after the server's imports,
+before it starts a thread or opens a socket. A copy waits. When a process is launched
+(`standing_in` for vLLM's engine core, `start_process` for a frontend), its multiprocessing
+process object is handed to a copy, with the open files it refers to (its queues' sockets,
+its shared memory; passed over a unix socket, as multiprocessing's forkserver passes them),
+and the copy runs it as a forked multiprocessing child would (the server watches, signals and
+joins it by the same pid and sentinel). A copy never handed anything exits when the server
+closes its end of the channel, or dies with the server.
 
 What a spawned process reads as it starts, the copy read in the server: the environment at the
 launch is handed over with the process; OpenMP read its binding (the environment vLLM sets for
@@ -28,12 +32,14 @@ import io
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from multiprocessing import popen_fork, process, reduction, util
+from multiprocessing import get_context, popen_fork, process, reduction, util
 from multiprocessing.context import SpawnContext, set_spawning_popen
+from multiprocessing.process import BaseProcess
 from typing import Any, NoReturn
 
 from plumbing.lifetime import signal_on_parent_death
@@ -50,23 +56,34 @@ ENGINE_CORE_MODULES = (
 )
 
 
+# Open files a handed process may carry (its queues' sockets, shared memory): a frontend of
+# several carries about four.
+MAX_HANDED_FILES = 64
+
+
 @dataclass
 class Standby:
-    """The server's copy, waiting for the process it is to run."""
+    """A copy of the server, waiting for the process it is to run."""
 
     pid: int
-    orders: int  # the write end of the pipe the copy reads its process from
+    orders: int  # the server's end of the socket the copy reads its process (and files) from
     sentinel: int  # readable once the copy has exited (it holds the other end)
     parent_sentinel: int  # held open by the server: the copy's view of its parent
     handed: bool = False
 
-    def hand_over(self, payload: bytes) -> None:
-        with open(self.orders, "wb", closefd=True) as orders:
-            orders.write(payload)
+    def hand_over(self, payload: bytes, files: Sequence[int]) -> None:
+        """Send the pickled process and the open files it refers to (by their place in
+        `files`, as InheritedFile); the copy reads until the end."""
+        with socket.socket(fileno=self.orders) as orders:
+            if files:
+                socket.send_fds(orders, [b"F"], list(files))
+            else:
+                orders.sendall(b"-")
+            orders.sendall(payload)
         self.handed = True
 
     def dismiss(self) -> None:
-        """Let a copy that was handed nothing exit (it reads the end of its pipe)."""
+        """Let a copy that was handed nothing exit (it reads the end of its orders)."""
         if not self.handed:
             self.handed = True
             os.close(self.orders)
@@ -96,41 +113,83 @@ def usual_thread_count() -> int:
     return int(configured) if configured.isdigit() else len(os.sched_getaffinity(0))
 
 
-def stand_by(wanted: bool) -> Standby | None:
-    """If `wanted`, fork the copy; call before this process starts a thread or opens a socket.
-    None (vLLM spawns its engine core) off Linux, if torch was not loaded single-threaded, or if
-    a Python thread runs already (the copy would lack it). Either way, torch runs with its usual
-    thread count afterwards."""
+def stand_by(copies: int, modules: Sequence[str] = ()) -> list[Standby]:
+    """Fork `copies` copies of this process, once it has imported `modules` too (what they will
+    run beyond its own imports); call before it starts a thread or opens a socket. None (the
+    processes are spawned) off Linux, if torch was not loaded single-threaded, or if a Python
+    thread runs already (a copy would lack it). Either way, torch runs with its usual thread
+    count afterwards."""
     import torch
 
     try:
-        if not wanted or not sys.platform.startswith("linux"):
-            return None
+        if not copies or not sys.platform.startswith("linux"):
+            return []
         if torch.get_num_threads() != 1 or threading.active_count() > 1:
-            logger.warning("torch ran threads, or a thread runs: vLLM spawns the engine core")
-            return None
-        return fork_standby()
+            logger.warning("torch ran threads, or a thread runs: the engine's processes spawn")
+            return []
+        for name in (*ENGINE_CORE_MODULES, *modules):
+            __import__(name)
+        standbys: list[Standby] = []
+        for _ in range(copies):
+            standbys.append(fork_standby(standbys))
+        logger.info(
+            "%d copies of the server standing by (pids %s), forked after the imports",
+            copies,
+            ",".join(str(standby.pid) for standby in standbys),
+        )
+        return standbys
     finally:
         torch.set_num_threads(usual_thread_count())
 
 
-def fork_standby() -> Standby:
-    for name in ENGINE_CORE_MODULES:
-        __import__(name)
-    orders_read, orders_write = os.pipe()
+def fork_standby(earlier: Sequence[Standby]) -> Standby:
+    """Fork one copy; it closes the server's ends of the `earlier` copies' channels (else a
+    copy dismissed would never read the end of its orders)."""
+    orders_read, orders_write = socket.socketpair()
     sentinel_read, sentinel_write = os.pipe()
     parent_read, parent_write = os.pipe()
     util._flush_std_streams()
     server = os.getpid()
     pid = os.fork()
     if pid == 0:
-        for end in (orders_write, sentinel_read, parent_write):
+        orders_write.close()
+        for end in (sentinel_read, parent_write):
             os.close(end)
-        wait_for_orders(server, orders_read, parent_read)
-    for end in (orders_read, sentinel_write, parent_read):
+        for other in earlier:
+            for end in (other.orders, other.sentinel, other.parent_sentinel):
+                os.close(end)
+        wait_for_orders(server, orders_read.detach(), parent_read)
+    orders_read.close()
+    for end in (sentinel_write, parent_read):
         os.close(end)
-    logger.info("engine core standing by (pid %d), forked after the imports", pid)
-    return Standby(pid, orders_write, sentinel_read, parent_write)
+    return Standby(pid, orders_write.detach(), sentinel_read, parent_write)
+
+
+# In a copy: the open files handed with its process, as InheritedFile refers to them.
+HANDED_FILES: list[int] = []
+
+
+class InheritedFile:
+    """An open file pickled for a copy: its place among the files handed with the process
+    (multiprocessing's `DupFd` for a forkserver's child works the same way)."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def detach(self) -> int:
+        return HANDED_FILES[self.index]
+
+
+def read_orders(orders: int) -> bytes:
+    """In the copy: the pickled process, with its open files kept in HANDED_FILES; empty if
+    dismissed."""
+    with socket.socket(fileno=orders) as channel:
+        marker, files, _, _ = socket.recv_fds(channel, 1, MAX_HANDED_FILES)
+        HANDED_FILES[:] = files
+        chunks = []
+        while chunk := channel.recv(1 << 20):
+            chunks.append(chunk)
+    return b"".join(chunks) if marker else b""
 
 
 def wait_for_orders(server: int, orders: int, parent_sentinel: int) -> NoReturn:
@@ -139,19 +198,18 @@ def wait_for_orders(server: int, orders: int, parent_sentinel: int) -> NoReturn:
     try:
         if signal_on_parent_death(signal.SIGKILL) is not None or os.getppid() != server:
             return  # untied, or the server is gone already
-        with open(orders, "rb", closefd=True) as pipe:
-            payload = pipe.read()
+        payload = read_orders(orders)
         if not payload:
             code = 0  # dismissed
             return
         process.current_process()._inheriting = True  # type: ignore[attr-defined]
         try:
-            environment, cores, engine_core = reduction.ForkingPickler.loads(payload)
+            environment, cores, handed = reduction.ForkingPickler.loads(payload)
         finally:
             del process.current_process()._inheriting  # type: ignore[attr-defined]
         take_environment(environment)
         bind_threads(cores)
-        code = engine_core._bootstrap(parent_sentinel=parent_sentinel)
+        code = handed._bootstrap(parent_sentinel=parent_sentinel)
     finally:
         os._exit(code)
 
@@ -179,14 +237,16 @@ def bind_threads(cores: Sequence[int]) -> None:
 
 
 class StandbyPopen(popen_fork.Popen):
-    """multiprocessing's view of the engine core that the copy runs: a forked child's."""
+    """multiprocessing's view of a process that a copy runs: a forked child's."""
 
     method = "standby"
     standby: Standby | None = None  # the copy to hand the next process to
     cores: Sequence[int] = ()
+    DupFd = InheritedFile
 
     def duplicate_for_child(self, fd: int) -> int:
-        raise ValueError("a process handed to the standing-by copy cannot be given open files")
+        self.handed_files.append(fd)
+        return len(self.handed_files) - 1
 
     def _launch(self, process_obj: Any) -> None:
         standby, StandbyPopen.standby = StandbyPopen.standby, None
@@ -195,17 +255,18 @@ class StandbyPopen(popen_fork.Popen):
         self.pid = standby.pid
         self.sentinel = standby.sentinel
         self.finalizer = util.Finalize(self, util.close_fds, (standby.sentinel,))
+        self.handed_files: list[int] = []
         payload = io.BytesIO()
-        set_spawning_popen(self)  # lets the process's authkey be pickled, as spawn does
+        set_spawning_popen(self)  # lets the process's authkey and open files be pickled
         try:
             reduction.dump((dict(os.environ), tuple(self.cores), process_obj), payload)
         finally:
             set_spawning_popen(None)
-        standby.hand_over(payload.getvalue())
+        standby.hand_over(payload.getvalue(), self.handed_files)
 
 
 class StandbyProcess(process.BaseProcess):
-    # In the copy, multiprocessing's default for its own children: a spawned engine core's.
+    # In the copy, multiprocessing's default for its own children: a spawned process's.
     _start_method = "spawn"
 
     @staticmethod
@@ -222,6 +283,29 @@ class StandbyContext(SpawnContext):
 
 
 @contextlib.contextmanager
+def handing_to(standby: Standby, cores: Sequence[int]) -> Iterator[None]:
+    """While held, the next StandbyProcess started is run by `standby`, bound to `cores`."""
+    StandbyPopen.standby, StandbyPopen.cores = standby, cores
+    try:
+        yield
+    finally:
+        StandbyPopen.standby = None
+
+
+def start_process(standby: Standby | None, **process_arguments: Any) -> BaseProcess:
+    """Start a multiprocessing process (`process_arguments` as Process takes them): run by
+    `standby`, or spawned without one."""
+    if standby is None:
+        spawned = get_context("spawn").Process(**process_arguments)
+        spawned.start()
+        return spawned
+    started = StandbyProcess(**process_arguments)
+    with handing_to(standby, ()):
+        started.start()
+    return started
+
+
+@contextlib.contextmanager
 def standing_in(standby: Standby | None, cores: Sequence[int]) -> Iterator[None]:
     """While vLLM launches the engine core: the core is `standby`, bound to `cores`."""
     if standby is None or standby.handed:
@@ -229,14 +313,13 @@ def standing_in(standby: Standby | None, cores: Sequence[int]) -> Iterator[None]
         return
     import vllm.v1.engine.utils as vllm_engine_utils
 
-    StandbyPopen.standby, StandbyPopen.cores = standby, cores
     launch_context = vllm_engine_utils.get_mp_context
     vllm_engine_utils.get_mp_context = StandbyContext  # type: ignore[assignment]
     try:
-        yield
+        with handing_to(standby, cores):
+            yield
     finally:
         vllm_engine_utils.get_mp_context = launch_context
-        StandbyPopen.standby = None
         if not standby.handed:  # the launch failed, or spawned a process of its own
             logger.warning("the standing-by engine core was not used: letting it go")
             standby.dismiss()

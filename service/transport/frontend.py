@@ -35,7 +35,7 @@ def run_frontend(
     """The frontend process's target: serve until stopped, exit with the server's code."""
     from vllm.utils.system_utils import set_process_title
 
-    from service.transport.server import run_server  # imports vLLM: in the frontend alone
+    from service.transport.server import run_server  # not at the top: server imports this module
 
     set_process_title("Frontend", str(role.link.index))  # as vLLM names its API servers
     configure_logging(*logging, frontend=role.link.index)

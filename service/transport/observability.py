@@ -4,9 +4,10 @@ The engine's own metrics (vllm:*: queue, KV-cache use, engine-side latencies and
 counts) are registered by vLLM in the same registry and served beside these.
 
 A replica with several frontend processes keeps its metrics in prometheus_client's
-multiprocess mode (PROMETHEUS_MULTIPROC_DIR, set by the parent before it starts them): the
-parent serves one scrape, counters summed over the frontends and the request counter labelled
-with the frontend that served; each frontend writes its gauges' values every GAUGE_SECONDS.
+multiprocess mode (PROMETHEUS_MULTIPROC_DIR, named before the first import of either:
+service/transport/frontend_metrics.py): the parent serves one scrape, counters summed over the
+frontends and the request counter labelled with the frontend that served; each frontend writes
+its gauges' values every GAUGE_SECONDS.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from service.api.backlog import Backlog
+from service.transport.frontend_metrics import MULTIPROCESS_ENV
 from service.transport.rest_bridge import END_OF_EVENTS
 
 logger = logging.getLogger("service.requests")
@@ -33,7 +35,6 @@ logger = logging.getLogger("service.requests")
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 TOKEN_GAP_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 
-MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"
 SEVERAL_FRONTENDS = MULTIPROCESS_ENV in os.environ
 GAUGE_SECONDS = 0.25
 READ_ATTEMPTS = 5  # reads of a count the event loop may be changing, per scrape

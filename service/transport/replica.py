@@ -1,17 +1,17 @@
 """The parent of a replica with several frontend processes (`--api-server-count N`).
 
 It serves no calls. It launches the engine core, starts the frontends while the core loads
-(each a gRPC server on the replica's port, shared, and on its own), serves their metrics as
-one scrape, and keeps the replica one thing to the outside: SIGTERM drains every frontend
-before the engine core stops, and a frontend or engine core that dies stops the rest (exit 1,
-for the orchestrator to restart the replica). Every process it starts dies with it.
+(each a gRPC server on the replica's port, shared, and on its own; each a copy of this process
+made after its imports, service/model/standby_core.py), serves their metrics as one scrape,
+and keeps the replica one thing to the outside: SIGTERM drains every frontend before the
+engine core stops, and a frontend or engine core that dies stops the rest (exit 1, for the
+orchestrator to restart the replica). Every process it starts dies with it.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
-import os
 import signal
 import socket
 import tempfile
@@ -31,16 +31,19 @@ from service.api.shared_windows import ServedWindows, store_url
 from service.model.frontends import EngineCore, FrontendLink, launch_engine_core
 from service.model.in_core_worker import may_run_worker_in_core
 from service.model.placement import confine_engine_core
-from service.model.standby_core import stand_by
+from service.model.standby_core import Standby, stand_by, start_process
 from service.settings import EngineSettings, ServerSettings
 from service.transport.frontend import FrontendRole, run_frontend
-from service.transport.observability import MULTIPROCESS_ENV, serve_frontends_metrics
+from service.transport.frontend_metrics import require_metrics_directory
+from service.transport.observability import serve_frontends_metrics
 
 logger = logging.getLogger(__name__)
 
 WATCH_SECONDS = 0.5
 # Past the frontends' own drain (delay + grace + engine stop), the time they get to exit.
 EXIT_MARGIN_SECONDS = 10.0
+# What a frontend runs beyond this process's imports: imported before the copies are made.
+FRONTEND_MODULES = ("service.transport.server",)
 
 
 class Stopping:
@@ -77,9 +80,14 @@ class Frontends:
     """Starts the frontends as the engine core's launch hands out their links."""
 
     def __init__(
-        self, server: ServerSettings, engine: EngineSettings, log_setup: tuple[str, str]
+        self,
+        server: ServerSettings,
+        engine: EngineSettings,
+        log_setup: tuple[str, str],
+        copies: list[Standby],
     ) -> None:
         self.server, self.engine, self.log_setup = server, engine, log_setup
+        self.copies = copies  # copies of this process standing by to run them (or spawned)
         count = server.api_server_count
         self.sockets_dir = tempfile.TemporaryDirectory(prefix="llm-completions-frontends-")
         self.sockets = [str(Path(self.sockets_dir.name, f"{i}.sock")) for i in range(count)]
@@ -100,18 +108,20 @@ class Frontends:
 
     def start(self, links: list[FrontendLink]) -> list[BaseProcess]:
         for link in links:
-            process = self.context.Process(
+            process = start_process(
+                self.copies.pop(0) if self.copies else None,
                 target=run_frontend,
                 args=(self.role(link), self.server, self.engine, self.log_setup),
                 name=f"Frontend_{link.index}",
             )
-            process.start()
             self.processes.append(process)
         return self.processes
 
     def stop(self, timeout: float) -> bool:
         """SIGTERM to each (each drains its calls), SIGKILL to any left after `timeout`;
         True if every one exited 0."""
+        for copy in self.copies:  # the launch failed before their frontends started
+            copy.dismiss()
         for process in self.processes:
             if process.is_alive():
                 process.terminate()
@@ -134,13 +144,15 @@ class Frontends:
 
 def run_replica(server: ServerSettings, engine: EngineSettings, log_setup: tuple[str, str]) -> int:
     """Run the engine core and `server.api_server_count` frontends until stopped; the exit
-    code."""
-    standby = stand_by(may_run_worker_in_core(engine))  # before the first thread and socket
+    code. The frontends' metrics directory is set already (frontend_metrics)."""
+    require_metrics_directory()
     check_ports_free(server)
-    metrics_dir = tempfile.TemporaryDirectory(prefix="llm-completions-metrics-")
-    os.environ[MULTIPROCESS_ENV] = metrics_dir.name  # before any frontend imports its metrics
+    # Before the first thread and socket: the copies that run the engine core and frontends.
+    core_copy = may_run_worker_in_core(engine)
+    copies = stand_by(int(core_copy) + server.api_server_count, FRONTEND_MODULES)
+    standby = copies.pop(0) if core_copy and copies else None
     stopping = Stopping()
-    frontends = Frontends(server, engine, log_setup)
+    frontends = Frontends(server, engine, log_setup, copies)
     if server.metrics_port is not None:
         serve_frontends_metrics(server.metrics_host, server.metrics_port)
     logger.info(
@@ -168,7 +180,6 @@ def run_replica(server: ServerSettings, engine: EngineSettings, log_setup: tuple
     drained = frontends.stop(drain_seconds(server))
     if core is not None:
         core.shutdown(timeout=server.engine_stop_seconds)
-    metrics_dir.cleanup()
     logger.info("stopped")
     return 0 if stopped_while_starting or (drained and not failed) else 1
 

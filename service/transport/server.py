@@ -244,7 +244,8 @@ def run_server(
     output, then gRPC's write completing), and uvloop's wake-ups cost less (docs/benchmarks.md,
     the frontend-heavy workload)."""
     # Before the first thread and socket: the engine core's copy of this process.
-    standby = stand_by(role is None and may_run_worker_in_core(engine_settings))
+    copies = stand_by(int(role is None and may_run_worker_in_core(engine_settings)))
+    standby = copies[0] if copies else None
     loop = uvloop.new_event_loop()
     asyncio.set_event_loop(loop)
     return loop.run_until_complete(serve(server_settings, engine_settings, role, standby))

@@ -532,7 +532,7 @@ def served(monkeypatch: pytest.MonkeyPatch) -> list[tuple[ServerSettings, Engine
 
     monkeypatch.setattr(service.transport.server, "serve", fake_serve)
     # The engine core's copy of the server (service/model/standby_core.py) is not made here.
-    monkeypatch.setattr(service.transport.server, "stand_by", lambda wanted: None)
+    monkeypatch.setattr(service.transport.server, "stand_by", lambda copies, modules=(): [])
     return received
 
 

@@ -1,6 +1,7 @@
-"""The engine core as a copy of the server forked after its imports: the copy runs the process
-multiprocessing hands it as a forked child would, with the environment of the launch, and
-exits when dismissed; a server that ran torch with several threads, or runs a thread, spawns."""
+"""The engine core and a replica's frontends as copies of the server forked after its imports: a
+copy runs the process multiprocessing hands it as a forked child would, with the environment
+of the launch and the open files the process refers to, and exits when dismissed (one of
+several too); a server that ran torch with several threads, or runs a thread, spawns."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from multiprocessing import Event
+from multiprocessing import Event, Pipe, get_context
+from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -43,8 +46,7 @@ def standby(monkeypatch: pytest.MonkeyPatch) -> Iterator[standby_core.Standby]:
     monkeypatch.setattr(standby_core, "ENGINE_CORE_MODULES", ())
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # as if loaded single-threaded
     monkeypatch.setattr(torch, "set_num_threads", lambda count: None)  # this process keeps its own
-    copy = standby_core.stand_by(wanted=True)
-    assert copy is not None
+    (copy,) = standby_core.stand_by(1)
     yield copy
     copy.dismiss()
 
@@ -98,17 +100,17 @@ def test_a_server_that_ran_torch_on_several_threads_or_runs_a_thread_spawns(
 ) -> None:
     monkeypatch.setattr(torch, "set_num_threads", lambda count: None)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    assert standby_core.stand_by(wanted=True) is None
+    assert standby_core.stand_by(1) == []
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     stop = Event()
     thread = threading.Thread(target=stop.wait)
     thread.start()
     try:
-        assert standby_core.stand_by(wanted=True) is None
+        assert standby_core.stand_by(1) == []
     finally:
         stop.set()
         thread.join()
-    assert standby_core.stand_by(wanted=False) is None
+    assert standby_core.stand_by(0) == []
 
 
 def test_torch_loads_single_threaded_and_the_usual_count_comes_back(
@@ -153,8 +155,7 @@ def test_the_copy_takes_vllms_title_whatever_the_environment_became(
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     monkeypatch.setattr(torch, "set_num_threads", lambda count: None)
     monkeypatch.setenv("STANDBY_TEST_GONE_AT_THE_LAUNCH", "1")
-    copy = standby_core.stand_by(wanted=True)
-    assert copy is not None
+    (copy,) = standby_core.stand_by(1)
     monkeypatch.delenv("STANDBY_TEST_GONE_AT_THE_LAUNCH")
     monkeypatch.setenv("STANDBY_TEST_SET_AT_THE_LAUNCH", "1")
     path = tmp_path / "comm"
@@ -174,7 +175,7 @@ from service.model import standby_core
 standby_core.ENGINE_CORE_MODULES = ()
 with standby_core.torch_loaded_single_threaded():
     import torch
-copy = standby_core.stand_by(wanted=True)
+(copy,) = standby_core.stand_by(1)
 print(copy.pid, flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """
@@ -200,3 +201,40 @@ def test_a_launch_that_fails_before_the_handover_lets_the_copy_go(
     assert standby.handed
     with pytest.raises(ChildProcessError):
         os.waitpid(standby.pid, os.WNOHANG)  # reaped: it exited
+
+
+def shared_and_sent(counters: Any, connection: Connection) -> None:
+    """Run in a copy: write to the shared memory and over the socket it was handed."""
+    counters[0] = os.getpid()
+    connection.send("over the handed socket")
+    sys.exit(0)
+
+
+def test_a_process_handed_open_files_uses_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A frontend's shared memory and sockets reach the copy that runs it (spawn would pass
+    them on its command line's descriptors; a copy made earlier is sent them)."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(torch, "set_num_threads", lambda count: None)
+    first, second = standby_core.stand_by(2)
+    counters = get_context("spawn").RawArray("q", 1)
+    ours, theirs = Pipe()
+    process = standby_core.start_process(second, target=shared_and_sent, args=(counters, theirs))
+    theirs.close()
+    assert ours.poll(30)
+    assert ours.recv() == "over the handed socket"
+    process.join(30)
+    assert process.exitcode == 0
+    assert counters[0] == second.pid == process.pid
+    first.dismiss()  # the second copy held none of the first's channel: it read its end
+    with pytest.raises(ChildProcessError):
+        os.waitpid(first.pid, os.WNOHANG)
+
+
+def test_without_a_copy_the_process_is_spawned(tmp_path: Path) -> None:
+    path = tmp_path / "seen"
+    process = standby_core.start_process(None, target=report, args=(path,))
+    process.join(60)
+    assert process.exitcode == 0
+    assert int(path.read_text().split(" ", 1)[0]) == process.pid
