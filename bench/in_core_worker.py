@@ -82,7 +82,8 @@ def measure_one(arrangement: str, cores: tuple[int, ...], tokens: int) -> dict[s
         from service.model.engine import start_engine
         from service.settings import EngineSettings
 
-    standby = stand_by(arrangement == "standby")
+    copies = stand_by(int(arrangement == "standby"))
+    standby = copies[0] if copies else None
     settings = EngineSettings(
         model=None,
         served_model_name="default",
