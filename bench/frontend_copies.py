@@ -83,8 +83,9 @@ def measure_one(arrangement: str, frontends: int) -> dict[str, float]:
 
 
 def report(rounds: list[dict[str, dict[str, float]]]) -> None:
-    print("| copies / spawned | " + " | ".join(f"round {i + 1}" for i in range(len(rounds))))
-    print("|---" * (len(rounds) + 1) + "| median |")
+    rounds_named = " | ".join(f"round {i + 1}" for i in range(len(rounds)))
+    print(f"| copies / spawned | {rounds_named} | median |")
+    print("|---" * (len(rounds) + 2) + "|")
     for key in ("ready_s", "ready_cpu_s", "pss_mib"):
         cells = [f"{r['copies'][key]:.1f} / {r['spawned'][key]:.1f}" for r in rounds]
         ratio = statistics.median(r["copies"][key] / r["spawned"][key] for r in rounds)
