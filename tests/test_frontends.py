@@ -1,5 +1,6 @@
 """One replica, two frontend processes over one engine core (`API_SERVER_COUNT=2`), on the
-tiny model: Envoy spreads streams over both, a cancel works whichever frontend it reaches, the
+tiny model: both frontends and the engine core are copies of the replica's parent, Envoy
+spreads streams over both, a cancel works whichever frontend it reaches, the
 backlog bound holds for the replica, /metrics is one scrape of both, SIGTERM drains both and
 leaves nothing, and a dead frontend or engine core takes the replica down cleanly. Two such
 replicas, each behind an Envoy of its own, hold one tenant's budget in one Redis."""
@@ -7,6 +8,7 @@ replicas, each behind an Envoy of its own, hold one tenant's budget in one Redis
 from __future__ import annotations
 
 import contextlib
+import re
 import shutil
 import signal
 import subprocess
@@ -159,6 +161,25 @@ def stream_through_envoy(replica: TestStack) -> list[str]:
             assert response.status_code == 200
             events = [line for line in response.iter_lines() if line.startswith("data: ")]
     return events
+
+
+def test_the_frontends_and_engine_core_are_copies_of_the_replica_made_after_its_imports(
+    replica: TestStack,
+) -> None:
+    """Each frontend, and the engine core, is one of the copies the parent made once it had
+    imported torch and vLLM (its log names their pids): none started a new interpreter."""
+    assert replica.service_log is not None
+    log = replica.service_log.read_text(errors="replace")
+    found = re.search(r"(\d+) copies of the server standing by \(pids ([\d,]+)\)", log)
+    assert found, "the replica made no copies of itself"
+    copies = {int(pid) for pid in found.group(2).split(",")}
+    assert int(found.group(1)) == len(copies) == FRONTENDS + 1
+    parent = psutil.Process(replica.processes[0].pid)
+    titled = {child.pid: child.name() for child in parent.children()}
+    frontends = {pid for pid, name in titled.items() if "Frontend_" in name}
+    engine_cores = {pid for pid, name in titled.items() if "EngineCor" in name}
+    assert len(frontends) == FRONTENDS and len(engine_cores) == 1, titled
+    assert frontends | engine_cores == copies
 
 
 def test_envoy_spreads_streams_over_both_frontends(replica: TestStack) -> None:

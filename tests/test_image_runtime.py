@@ -10,13 +10,14 @@ picker must run from the same install; SIGTERM must end the replica within secon
 no process left; nothing may be written outside the volume and /tmp.
 
 The install is the slow part (2-4 min from nothing with pip's cache warm, on 2 cores), so it
-runs in the background from the session's start (`background`, tests/conftest.py). It lives
-in $IMAGE_TEST_CACHE (default /var/tmp/llm-completions-image-test), one directory per set of
-install inputs (the script, the pyproject files, the pins, the interpreter), and every run
-runs the whole script again over it (about 25 s: the project and its client are rebuilt and
-reinstalled from this tree, the pinned dependencies found in place). New inputs start from an
-empty directory and remove the old one; IMAGE_TEST_FRESH=1 installs from nothing into a
-temporary directory instead.
+runs in the background from the session's start (`background`, tests/conftest.py), and the
+module uses what that run made. It lives in $IMAGE_TEST_CACHE (default
+/var/tmp/llm-completions-image-test), one directory per set of install inputs (the script, the
+pyproject files, the pins, the interpreter), and every session runs the whole script again
+over it (about 25 s: the project and its client are rebuilt and reinstalled from this tree,
+the pinned dependencies found in place). New inputs start from an empty directory and remove
+the old one; IMAGE_TEST_FRESH=1 installs from nothing into a temporary directory instead, in
+the module.
 """
 
 from __future__ import annotations
@@ -188,7 +189,7 @@ def installed(python: Path, log: Path, niceness: int = 0) -> Iterator[Path]:
             shutil.rmtree(scratch)
         return
     CACHE.mkdir(mode=0o755, parents=True, exist_ok=True)
-    venv = CACHE / f"venv-{install_key(python)}"
+    venv = cached_install(python)
     with (CACHE / ".lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         for stale in CACHE.glob("venv-*"):
@@ -198,6 +199,10 @@ def installed(python: Path, log: Path, niceness: int = 0) -> Iterator[Path]:
         seconds = run_install(venv, python, log, niceness)
     logger.info("image install %s: %.0f s", how, seconds)
     yield venv
+
+
+def cached_install(python: Path) -> Path:
+    return CACHE / f"venv-{install_key(python)}"
 
 
 @dataclass
@@ -384,15 +389,16 @@ def remove_made_by_user(directory: Path, since: float) -> None:
 # start-ups of both shards in the session's first minutes; the module needs it only at the
 # fleet shard's end.
 AHEAD_NICENESS = 19
+INSTALLED_AHEAD = "installed ahead"
 
 
 def background() -> str:
     """Brings the cached install up to date from the session's start (from nothing it takes
-    minutes), so that the module's own run of the script over it takes seconds."""
+    minutes): the session's run of the whole script, whose result the module uses."""
     if FRESH or os.geteuid() != 0:
         return "nothing done ahead: the module installs from nothing, or is skipped"
     with installed(interpreter(), CACHE / "ahead-install.log", AHEAD_NICENESS):
-        return "installed ahead"
+        return INSTALLED_AHEAD
 
 
 @pytest.fixture(scope="module")
@@ -400,7 +406,12 @@ def rootfs(tmp_path_factory: pytest.TempPathFactory, background_result: object) 
     python = interpreter()
     log = tmp_path_factory.mktemp("image") / "install.log"
     started = time.time()
-    with installed(python, log) as install:
+    # The session's run of the script over this tree, ahead: its result is used as it is.
+    ahead = background_result == INSTALLED_AHEAD
+    install_made = (
+        contextlib.nullcontext(cached_install(python)) if ahead else installed(python, log)
+    )
+    with install_made as install:
         volume = new_directory("image-volume-", UID, 0o2775)  # as the Containerfile makes it
         home = new_directory("image-home-", 0, 0o755)
         bin_dir = new_directory("image-bin-", 0, 0o755)
