@@ -75,14 +75,18 @@ async def decode(engine: Any, batch: int, tokens: int) -> tuple[float, float]:
 
 def measure_one(arrangement: str, cores: tuple[int, ...], tokens: int) -> dict[str, Any]:
     """In this process: start the service's engine in `arrangement` and measure it."""
-    from service.model.standby_core import stand_by, torch_loaded_single_threaded
+    from service.model.standby_core import (
+        ENGINE_CORE_MODULES,
+        stand_by,
+        torch_loaded_single_threaded,
+    )
 
     began = started_at()
     with torch_loaded_single_threaded():
         from service.model.engine import start_engine
         from service.settings import EngineSettings
 
-    copies = stand_by(int(arrangement == "standby"))
+    copies = stand_by(int(arrangement == "standby"), ENGINE_CORE_MODULES)
     standby = copies[0] if copies else None
     settings = EngineSettings(
         model=None,

@@ -170,7 +170,7 @@ def test_the_frontends_and_engine_core_are_copies_of_the_replica_made_after_its_
     imported torch and vLLM (its log names their pids): none started a new interpreter."""
     assert replica.service_log is not None
     log = replica.service_log.read_text(errors="replace")
-    found = re.search(r"(\d+) copies of the server standing by \(pids ([\d,]+)\)", log)
+    found = re.search(r"(\d+) cop(?:y|ies) of the server standing by \(pids ([\d,]+)\)", log)
     assert found, "the replica made no copies of itself"
     copies = {int(pid) for pid in found.group(2).split(",")}
     assert int(found.group(1)) == len(copies) == FRONTENDS + 1

@@ -73,24 +73,34 @@ class Standby:
 
     def hand_over(self, payload: bytes, files: Sequence[int]) -> None:
         """Send the pickled process and the open files it refers to (by their place in
-        `files`, as InheritedFile); the copy reads until the end."""
+        `files`, as InheritedFile); the copy reads until the end. Handed even if sending
+        fails: the copy then reads a broken process and exits."""
+        self.handed = True
         with socket.socket(fileno=self.orders) as orders:
             if files:
                 socket.send_fds(orders, [b"F"], list(files))
             else:
                 orders.sendall(b"-")
             orders.sendall(payload)
-        self.handed = True
+            end_of_orders(orders)
 
     def dismiss(self) -> None:
         """Let a copy that was handed nothing exit (it reads the end of its orders)."""
         if not self.handed:
             self.handed = True
-            os.close(self.orders)
+            with socket.socket(fileno=self.orders) as orders:
+                end_of_orders(orders)
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(self.pid, 0)
             os.close(self.sentinel)
             os.close(self.parent_sentinel)
+
+
+def end_of_orders(orders: socket.socket) -> None:
+    """The copy reads the end of its orders even where a process forked since holds the
+    server's end too (vLLM forks its engine core on a GPU): a shutdown, not only a close."""
+    with contextlib.suppress(OSError):
+        orders.shutdown(socket.SHUT_WR)
 
 
 @contextlib.contextmanager
@@ -115,7 +125,8 @@ def usual_thread_count() -> int:
 
 def stand_by(copies: int, modules: Sequence[str] = ()) -> list[Standby]:
     """Fork `copies` copies of this process, once it has imported `modules` too (what they will
-    run beyond its own imports); call before it starts a thread or opens a socket. None (the
+    run beyond its own imports: ENGINE_CORE_MODULES for vLLM's CPU engine core only, as they
+    patch torch for a CPU); call before it starts a thread or opens a socket. None (the
     processes are spawned) off Linux, if torch was not loaded single-threaded, or if a Python
     thread runs already (a copy would lack it). Either way, torch runs with its usual thread
     count afterwards."""
@@ -127,14 +138,15 @@ def stand_by(copies: int, modules: Sequence[str] = ()) -> list[Standby]:
         if torch.get_num_threads() != 1 or threading.active_count() > 1:
             logger.warning("torch ran threads, or a thread runs: the engine's processes spawn")
             return []
-        for name in (*ENGINE_CORE_MODULES, *modules):
+        for name in modules:
             __import__(name)
         standbys: list[Standby] = []
         for _ in range(copies):
             standbys.append(fork_standby(standbys))
         logger.info(
-            "%d copies of the server standing by (pids %s), forked after the imports",
+            "%d %s of the server standing by (pids %s), forked after the imports",
             copies,
+            "copy" if copies == 1 else "copies",
             ",".join(str(standby.pid) for standby in standbys),
         )
         return standbys
@@ -152,13 +164,16 @@ def fork_standby(earlier: Sequence[Standby]) -> Standby:
     server = os.getpid()
     pid = os.fork()
     if pid == 0:
-        orders_write.close()
-        for end in (sentinel_read, parent_write):
-            os.close(end)
-        for other in earlier:
-            for end in (other.orders, other.sentinel, other.parent_sentinel):
+        try:  # the copy never returns into the server's code
+            orders_write.close()
+            for end in (sentinel_read, parent_write):
                 os.close(end)
-        wait_for_orders(server, orders_read.detach(), parent_read)
+            for other in earlier:
+                for end in (other.orders, other.sentinel, other.parent_sentinel):
+                    os.close(end)
+            wait_for_orders(server, orders_read.detach(), parent_read)
+        finally:
+            os._exit(1)
     orders_read.close()
     for end in (sentinel_write, parent_read):
         os.close(end)
@@ -252,9 +267,6 @@ class StandbyPopen(popen_fork.Popen):
         standby, StandbyPopen.standby = StandbyPopen.standby, None
         if standby is None:
             raise RuntimeError("no copy of the server stands by for this process")
-        self.pid = standby.pid
-        self.sentinel = standby.sentinel
-        self.finalizer = util.Finalize(self, util.close_fds, (standby.sentinel,))
         self.handed_files: list[int] = []
         payload = io.BytesIO()
         set_spawning_popen(self)  # lets the process's authkey and open files be pickled
@@ -262,6 +274,11 @@ class StandbyPopen(popen_fork.Popen):
             reduction.dump((dict(os.environ), tuple(self.cores), process_obj), payload)
         finally:
             set_spawning_popen(None)
+        # The copy's pid and sentinel are this process's from here (a failed pickling above
+        # leaves the copy whole, for its dismissal to close).
+        self.pid = standby.pid
+        self.sentinel = standby.sentinel
+        self.finalizer = util.Finalize(self, util.close_fds, (standby.sentinel,))
         standby.hand_over(payload.getvalue(), self.handed_files)
 
 

@@ -31,7 +31,7 @@ from service.api.shared_windows import ServedWindows, store_url
 from service.model.frontends import EngineCore, FrontendLink, launch_engine_core
 from service.model.in_core_worker import may_run_worker_in_core
 from service.model.placement import confine_engine_core
-from service.model.standby_core import Standby, stand_by, start_process
+from service.model.standby_core import ENGINE_CORE_MODULES, Standby, stand_by, start_process
 from service.settings import EngineSettings, ServerSettings
 from service.transport.frontend import FrontendRole, run_frontend
 from service.transport.frontend_metrics import require_metrics_directory
@@ -43,6 +43,8 @@ WATCH_SECONDS = 0.5
 # Past the frontends' own drain (delay + grace + engine stop), the time they get to exit.
 EXIT_MARGIN_SECONDS = 10.0
 # What a frontend runs beyond this process's imports: imported before the copies are made.
+# The frontends are copies on vLLM's CPU build; elsewhere (a GPU) they are still spawned, as
+# vLLM spawns its API servers, until copies are tried on one.
 FRONTEND_MODULES = ("service.transport.server",)
 
 
@@ -108,12 +110,15 @@ class Frontends:
 
     def start(self, links: list[FrontendLink]) -> list[BaseProcess]:
         for link in links:
+            copy = self.copies[0] if self.copies else None
             process = start_process(
-                self.copies.pop(0) if self.copies else None,
+                copy,
                 target=run_frontend,
                 args=(self.role(link), self.server, self.engine, self.log_setup),
                 name=f"Frontend_{link.index}",
             )
+            if copy is not None:
+                self.copies.pop(0)  # handed (a start that failed before leaves it to dismiss)
             self.processes.append(process)
         return self.processes
 
@@ -149,7 +154,9 @@ def run_replica(server: ServerSettings, engine: EngineSettings, log_setup: tuple
     check_ports_free(server)
     # Before the first thread and socket: the copies that run the engine core and frontends.
     core_copy = may_run_worker_in_core(engine)
-    copies = stand_by(int(core_copy) + server.api_server_count, FRONTEND_MODULES)
+    frontend_copies = server.api_server_count if current_platform.is_cpu() else 0
+    modules = (*(ENGINE_CORE_MODULES if core_copy else ()), *FRONTEND_MODULES)
+    copies = stand_by(int(core_copy) + frontend_copies, modules)
     standby = copies.pop(0) if core_copy and copies else None
     stopping = Stopping()
     frontends = Frontends(server, engine, log_setup, copies)
@@ -178,6 +185,8 @@ def run_replica(server: ServerSettings, engine: EngineSettings, log_setup: tuple
         failed = True
     stopping.serving = True  # a second signal no longer interrupts the stop
     drained = frontends.stop(drain_seconds(server))
+    if standby is not None:
+        standby.dismiss()  # not handed if the launch ended before it (nothing if it was)
     if core is not None:
         core.shutdown(timeout=server.engine_stop_seconds)
     logger.info("stopped")

@@ -32,7 +32,7 @@ from service.model.adapters import load_adapters
 from service.model.engine import ServedModel, start_engine
 from service.model.in_core_worker import may_run_worker_in_core
 from service.model.load import LoadSnapshot
-from service.model.standby_core import Standby, stand_by
+from service.model.standby_core import ENGINE_CORE_MODULES, Standby, stand_by
 from service.settings import EngineSettings, ServerSettings
 from service.transport.auth import ApiKeyInterceptor, OperatorKeyInterceptor
 from service.transport.error_mapping import ErrorMappingInterceptor
@@ -244,7 +244,8 @@ def run_server(
     output, then gRPC's write completing), and uvloop's wake-ups cost less (docs/benchmarks.md,
     the frontend-heavy workload)."""
     # Before the first thread and socket: the engine core's copy of this process.
-    copies = stand_by(int(role is None and may_run_worker_in_core(engine_settings)))
+    core_copy = role is None and may_run_worker_in_core(engine_settings)
+    copies = stand_by(int(core_copy), ENGINE_CORE_MODULES if core_copy else ())
     standby = copies[0] if copies else None
     loop = uvloop.new_event_loop()
     asyncio.set_event_loop(loop)

@@ -43,7 +43,6 @@ def report(path: Path) -> None:
 
 @pytest.fixture
 def standby(monkeypatch: pytest.MonkeyPatch) -> Iterator[standby_core.Standby]:
-    monkeypatch.setattr(standby_core, "ENGINE_CORE_MODULES", ())
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # as if loaded single-threaded
     monkeypatch.setattr(torch, "set_num_threads", lambda count: None)  # this process keeps its own
     (copy,) = standby_core.stand_by(1)
@@ -151,7 +150,6 @@ def test_the_copy_takes_vllms_title_whatever_the_environment_became(
 ) -> None:
     """The launch's environment lacks a variable the copy was made with and has one it lacked
     (vLLM's placement and the parent-death tie are set after the copy is made)."""
-    monkeypatch.setattr(standby_core, "ENGINE_CORE_MODULES", ())
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     monkeypatch.setattr(torch, "set_num_threads", lambda count: None)
     monkeypatch.setenv("STANDBY_TEST_GONE_AT_THE_LAUNCH", "1")
@@ -172,7 +170,6 @@ def test_the_copy_takes_vllms_title_whatever_the_environment_became(
 KILLED_SERVER = """
 import os, signal
 from service.model import standby_core
-standby_core.ENGINE_CORE_MODULES = ()
 with standby_core.torch_loaded_single_threaded():
     import torch
 (copy,) = standby_core.stand_by(1)
@@ -238,3 +235,22 @@ def test_without_a_copy_the_process_is_spawned(tmp_path: Path) -> None:
     process.join(60)
     assert process.exitcode == 0
     assert int(path.read_text().split(" ", 1)[0]) == process.pid
+
+
+def test_a_copy_let_go_exits_while_a_process_forked_since_holds_the_servers_end(
+    standby: standby_core.Standby,
+) -> None:
+    """vLLM forks its engine core on a GPU: that process holds the server's end of every
+    copy's channel too, and a copy let go must still read the end of its orders."""
+    holder = os.fork()
+    if holder == 0:
+        time.sleep(60)
+        os._exit(0)
+    try:
+        letting_go = threading.Thread(target=standby.dismiss)
+        letting_go.start()
+        letting_go.join(15)
+        assert not letting_go.is_alive(), "the copy never read the end of its orders"
+    finally:
+        os.kill(holder, signal.SIGKILL)
+        os.waitpid(holder, 0)
