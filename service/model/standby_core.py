@@ -12,7 +12,7 @@ process object is handed to a copy, with the open files it refers to (its queues
 its shared memory; passed over a unix socket, as multiprocessing's forkserver passes them),
 and the copy runs it as a forked multiprocessing child would (the server watches, signals and
 joins it by the same pid and sentinel). A copy never handed anything exits when the server
-closes its end of the channel, or dies with the server.
+shuts the channel down, or dies with the server.
 
 What a spawned process reads as it starts, the copy read in the server: the environment at the
 launch is handed over with the process; OpenMP read its binding (the environment vLLM sets for
@@ -88,12 +88,14 @@ class Standby:
         """Let a copy that was handed nothing exit (it reads the end of its orders)."""
         if not self.handed:
             self.handed = True
-            with socket.socket(fileno=self.orders) as orders:
-                end_of_orders(orders)
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(self.pid, 0)
-            os.close(self.sentinel)
-            os.close(self.parent_sentinel)
+            try:
+                with socket.socket(fileno=self.orders) as orders:
+                    end_of_orders(orders)
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(self.pid, 0)
+            finally:  # a stop signal while waiting still closes them
+                os.close(self.sentinel)
+                os.close(self.parent_sentinel)
 
 
 def end_of_orders(orders: socket.socket) -> None:
