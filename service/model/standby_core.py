@@ -128,10 +128,10 @@ def usual_thread_count() -> int:
 def stand_by(copies: int, modules: Sequence[str] = ()) -> list[Standby]:
     """Fork `copies` copies of this process, once it has imported `modules` too (what they will
     run beyond its own imports: ENGINE_CORE_MODULES for vLLM's CPU engine core only, as they
-    patch torch for a CPU); call before it starts a thread or opens a socket. None (the
-    processes are spawned) off Linux, if torch was not loaded single-threaded, or if a Python
-    thread runs already (a copy would lack it). Either way, torch runs with its usual thread
-    count afterwards."""
+    patch torch for a CPU); call before it starts a thread or opens a socket. None (an empty
+    list: the processes are spawned) off Linux, if torch was not loaded single-threaded, or
+    if a Python thread runs already (a copy would lack it). Either way, torch runs with its
+    usual thread count afterwards."""
     import torch
 
     try:
