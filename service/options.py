@@ -63,6 +63,19 @@ def lora_modules(text: str) -> tuple[LoraModule, ...]:
 lora_modules.__name__ = "NAME=PATH"  # argparse: "invalid NAME=PATH value"
 
 
+def module_names(text: str) -> tuple[str, ...]:
+    """Module names separated by commas, e.g. `q_proj,v_proj`."""
+    names = tuple(name.strip() for name in text.split(","))
+    if not all(name.isidentifier() for name in names):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a list of module names, e.g. q_proj,v_proj"
+        )
+    return names
+
+
+module_names.__name__ = "module list"  # argparse: "invalid module list value"
+
+
 class Flatten(argparse.Action):
     """Several values, each a tuple of items (nargs="+"), as one tuple."""
 
@@ -309,6 +322,16 @@ def add_lora_options(parser: argparse.ArgumentParser, defaults: dict[str, Any]) 
         defaults["max_lora_rank"],
         "the largest adapter rank served (vLLM allows 1, 8, 16, 32, 64, 128, 256, 320, 512)",
         positive_int,
+    )
+    add_option(
+        parser,
+        "--lora-target-modules",
+        "LORA_TARGET_MODULES",
+        None,
+        "the only modules given LoRA layers, comma-separated (e.g. q_proj,v_proj, or vLLM's "
+        "packed qkv_proj): each step then runs fewer of them, and an adapter changing any "
+        "other module is refused (None: every module the model supports)",
+        module_names,
     )
     add_runtime_adapter_options(parser, defaults)
 
@@ -651,6 +674,7 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
         lora_modules=tuple(args.lora_modules),
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
+        lora_target_modules=args.lora_target_modules,
         adapter_root=args.adapter_root,
         enable_adapter_loading=args.enable_adapter_loading,
         max_cpu_loras=args.max_cpu_loras,

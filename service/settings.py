@@ -54,6 +54,8 @@ class EngineSettings:
     lora_modules: tuple[LoraModule, ...] = ()
     max_loras: int = 1  # adapters in one batch
     max_lora_rank: int = 16  # the largest adapter rank the engine accepts
+    # The only modules given LoRA layers (None: every one the model supports).
+    lora_target_modules: tuple[str, ...] | None = None
     # Adapters that come and go while the server runs (service.model.adapter_registry): a
     # directory of adapters served by their directory's name, and load/unload calls.
     adapter_root: Path | None = None

@@ -25,11 +25,11 @@ from service.api.tenants import hash_key
 from service.model.default_model import DEFAULT_SERVED_MODEL_NAME, prepare_default_model
 from service.model.placement import CPU_BIND_ENV
 from tests.engines import STARTS, Engine, SharedEngines
-from tests.models import build_adapter, with_bos_tokenizer
+from tests.models import ADAPTER_MODULES, ADAPTER_TARGETS, build_adapter, with_bos_tokenizer
 from tests.otlp import OtlpReceiver
 from tests.processes import HealthWatch, TestStack, free_port
 from tests.redis_server import RedisServer, start_redis
-from tests.shards import SHARD_ENV, may_start, second_core
+from tests.shards import SHARD_ENV, may_start
 
 MODEL = DEFAULT_SERVED_MODEL_NAME
 MAX_MODEL_LEN = 2048
@@ -292,6 +292,7 @@ def start_lora(adapter_dirs: dict[str, Path], logs: Path) -> Engine:
             *("--served-model-name", LORA_MODEL),
             *lora_flags(adapter_dirs),
             *("--max-loras", "2"),
+            *ADAPTER_TARGETS,
             *("--adapter-root", str(root), "--enable-adapter-loading"),
             *("--operator-api-key", OPERATOR_KEY, "--adapter-drain-seconds", "120"),
             *LORA_RUNTIME_ARGS,
@@ -304,10 +305,8 @@ def start_lora(adapter_dirs: dict[str, Path], logs: Path) -> Engine:
 
 
 def start_vllm_lora(model_dir: Path, adapter_dirs: dict[str, Path]) -> Engine:
-    """vLLM's own OpenAI server on the same model, name, context length and adapters, on the
-    second core: ours binds to the first, which is the busier one in a run (99 % against 90 %).
-    The adapter modules took a minute less with it there; vLLM's server without adapters took
-    40 s more on the second core (its tests run while the fleet's replicas work there)."""
+    """vLLM's own OpenAI server on the same model, name, context length, adapters and LoRA
+    target modules."""
     STARTS.record("vllm-lora")
     return VllmServer(
         VllmOpenAIServer(
@@ -315,8 +314,10 @@ def start_vllm_lora(model_dir: Path, adapter_dirs: dict[str, Path]) -> Engine:
             LORA_MODEL,
             max_model_len=512,
             kv_cache_gib=1,
-            extra_args=["--enable-lora", "--max-loras", "2", *lora_flags(adapter_dirs)],
-            cores=second_core(),
+            extra_args=[
+                *("--enable-lora", "--max-loras", "2", *lora_flags(adapter_dirs)),
+                *("--lora-target-modules", *ADAPTER_MODULES),
+            ],
         )
     )
 

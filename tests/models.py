@@ -14,14 +14,25 @@ from transformers import AutoModelForCausalLM
 # lora_B scaled by this: greedy output changes from the first token yet stays text (5 was noise).
 B_SCALE = 2.0
 BOS_ID = 0
+# The modules the test adapters change; the engines serving them give LoRA layers to these only
+# (--lora-target-modules), which makes every step of theirs cheaper.
+ADAPTER_MODULES = ("q_proj", "v_proj")
+ADAPTER_TARGETS = ("--lora-target-modules", ",".join(ADAPTER_MODULES))
 
 
-def build_adapter(model_dir: Path, target: Path, seed: int, rank: int = 8) -> Path:
-    """A PEFT LoRA adapter on the model: seeded random weights, lora_B scaled by B_SCALE."""
+def build_adapter(
+    model_dir: Path,
+    target: Path,
+    seed: int,
+    rank: int = 8,
+    modules: tuple[str, ...] = ADAPTER_MODULES,
+) -> Path:
+    """A PEFT LoRA adapter on the model, changing `modules`: seeded random weights, lora_B
+    scaled by B_SCALE."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     config = LoraConfig(
-        r=rank, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+        r=rank, lora_alpha=16, target_modules=list(modules), init_lora_weights=False
     )
     peft_model = get_peft_model(model, config)
     with torch.no_grad():

@@ -22,6 +22,7 @@ from llmcompletions.v2 import completions_pb2_grpc
 
 from tests.conftest import MODEL, OPERATOR_KEY, ReplicaPair, pinned_replica
 from tests.helpers import CAPITAL_PROMPT, grpc_request
+from tests.models import ADAPTER_TARGETS
 from tests.test_prefix_routing import HOST_HEADER, Fleet, facade
 
 OPERATOR = {"Authorization": f"Bearer {OPERATOR_KEY}"}
@@ -46,6 +47,7 @@ def adapter_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AdapterF
                 [
                     *("--adapter-root", str(root), "--enable-adapter-loading"),
                     *("--operator-api-key", OPERATOR_KEY),
+                    *ADAPTER_TARGETS,
                 ],
             )
             for core in range(2)

@@ -45,6 +45,7 @@ from tests.conftest import (
 )
 from tests.helpers import CAPITAL_PROMPT, body, grpc_request
 from tests.metrics import sample, scrape
+from tests.models import ADAPTER_TARGETS
 from tests.processes import TestStack, free_port, healthy_upstreams, left_running, stop_helpers
 from tests.redis_server import RedisServer, start_redis
 
@@ -129,6 +130,7 @@ def replica(
     at runtime: from an adapter root, or loaded by the operator."""
     directory = tmp_path_factory.mktemp("frontends")
     lora = ("--lora-modules", f"{ADAPTER}={adapter_dirs[ADAPTER]}", "--max-loras", "1")
+    lora += ADAPTER_TARGETS
     runtime = ("--adapter-root", str(directory / "root"), "--enable-adapter-loading")
     runtime += ("--adapter-drain-seconds", str(DRAIN_SECONDS))
     (directory / "root").mkdir()

@@ -312,7 +312,7 @@ def adapter_like(source: Path, target: Path, **config: Any) -> Path:
 
 
 def test_bad_loads_are_refused_each_with_its_status(
-    rest: httpx.Client, root: Path, sources: dict[str, Path], tmp_path: Path
+    rest: httpx.Client, root: Path, sources: dict[str, Path], tmp_path: Path, model_dir: Path
 ) -> None:
     staging, a1 = root / ".staging", sources["a1"]
     bad = {
@@ -322,6 +322,8 @@ def test_bad_loads_are_refused_each_with_its_status(
         "other-base": adapter_like(a1, staging / "other", base_model_name_or_path="gpt2"),
         "not-lora": adapter_like(a1, staging / "ia3", peft_type="IA3"),
         "rank": adapter_like(a1, staging / "rank", r=32),
+        # o_proj has no LoRA layer on this server (--lora-target-modules q_proj,v_proj).
+        "untargeted": build_adapter(model_dir, staging / "o", 9, modules=("q_proj", "o_proj")),
     }
     big = shutil.copytree(a1, staging / "big")
     (big / "padding.bin").write_bytes(bytes(21_000_000))
@@ -344,6 +346,8 @@ def test_bad_loads_are_refused_each_with_its_status(
         assert f"`{name}`" in response.json()["detail"] and words in response.json()["detail"]
     rank = load(rest, "rt-rank", bad["rank"]).json()["detail"]
     assert "raise --max-lora-rank to at least 32" in rank
+    untargeted = load(rest, "rt-untargeted", bad["untargeted"]).json()["detail"]
+    assert "changes o_proj, which this server gives no LoRA layer" in untargeted
     assert unload(rest, "rt-never").status_code == 404
     missing = rest.post("/v2/load_lora_adapter", json={"lora_name": "x"}, headers=OPERATOR)
     assert missing.status_code == 422 and missing.json()["detail"][0]["loc"] == [

@@ -34,6 +34,7 @@ from service.model.adapter_checks import (
     check_adapter,
     quote,
 )
+from service.model.adapter_targets import engine_targets
 from service.model.adapters import ModelCatalog, UnknownModelError
 from service.settings import EngineSettings, LoraModule
 
@@ -369,6 +370,8 @@ class AdapterRegistry:
 
     def check(self, name: str, source: Path) -> None:
         check_adapter(LoraModule(name, source), self.settings.max_lora_rank, self.model_dir)
+        if (targets := engine_targets(self.engine.vllm_config)) is not None:
+            targets.check(LoraModule(name, source))
         size = adapter_files.total_bytes(source)
         if size > self.settings.max_adapter_bytes:
             raise AdapterCapacityError(

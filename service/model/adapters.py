@@ -15,6 +15,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from service.model import cpu_lora_fix
 from service.model.adapter_checks import AdapterError, quote
+from service.model.adapter_targets import engine_targets
 from service.model.default_model import model_directory
 from service.settings import EngineSettings, LoraModule
 
@@ -88,7 +89,11 @@ def check_max_lora_rank(max_lora_rank: int) -> None:
 
 
 async def load_adapters(engine: AsyncLLM, catalog: ModelCatalog) -> None:
-    """Load every adapter into the engine now, so that one vLLM cannot read fails start-up."""
+    """Load every adapter into the engine now, so that one vLLM cannot read, or one that
+    changes modules the engine gives no LoRA layer, fails start-up."""
+    if (targets := engine_targets(engine.vllm_config)) is not None:
+        for name, request in catalog.adapters.items():
+            targets.check(LoraModule(name, Path(request.lora_path)))
     for request in catalog.engine_adapters():
         try:
             await engine.add_lora(request)

@@ -75,12 +75,15 @@ def lora_args(settings: EngineSettings, catalog: ModelCatalog) -> dict[str, Any]
     if not settings.lora_enabled:
         return {}
     extra = 1 if catalog.base_adapter is not None else 0
-    return {
+    args: dict[str, Any] = {
         "enable_lora": True,
         "max_loras": settings.max_loras + extra,
         "max_lora_rank": settings.max_lora_rank,
         "max_cpu_loras": settings.resident_adapters + extra,
     }
+    if settings.lora_target_modules is not None:
+        args["lora_target_modules"] = list(settings.lora_target_modules)
+    return args
 
 
 def engine_args(

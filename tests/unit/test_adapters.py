@@ -208,6 +208,18 @@ def test_lora_arguments_count_a_slot_for_the_stand_in(stand_in: bool, extra: int
     }
 
 
+def test_target_modules_reach_the_engine_only_when_given() -> None:
+    modules = (LoraModule("a", Path("/a/a")),)
+    settings = EngineSettings(
+        model=None, served_model_name=BASE, lora_modules=modules, lora_target_modules=("q_proj",)
+    )
+    assert lora_args(settings, ModelCatalog(BASE, lora_requests(modules)))[
+        "lora_target_modules"
+    ] == ["q_proj"]
+    untargeted = EngineSettings(model=None, served_model_name=BASE, lora_modules=modules)
+    assert "lora_target_modules" not in lora_args(untargeted, ModelCatalog(BASE))
+
+
 def test_the_stand_in_is_the_first_adapter_with_every_weight_zero(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

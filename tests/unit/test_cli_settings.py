@@ -132,6 +132,7 @@ DOCUMENTED_DEFAULTS: dict[str, Any] = {
     "lora_modules": (),
     "max_loras": 1,
     "max_lora_rank": 16,
+    "lora_target_modules": None,
 }
 
 
@@ -174,6 +175,7 @@ def test_the_limit_defaults_are_request_limits_defaults() -> None:
         ),
         ({"MAX_LORAS": "3"}, "max_loras", 3),
         ({"MAX_LORA_RANK": "64"}, "max_lora_rank", 64),
+        ({"LORA_TARGET_MODULES": "q_proj, v_proj"}, "lora_target_modules", ("q_proj", "v_proj")),
         ({"API_KEY": "k-123"}, "api_key", "k-123"),
         ({"METRICS_PORT": "9500"}, "metrics_port", 9500),
         ({"MAX_NUM_SEQS": "4"}, "max_num_seqs", 4),
@@ -254,6 +256,8 @@ def test_bad_environment_values_are_usage_errors(
         (["serve", "--max-model-len", "1k"], "argument --max-model-len: invalid int value"),
         (["serve", "--max-num-seqs", "1.5"], "argument --max-num-seqs: invalid int value: '1.5'"),
         (["serve", "--engine-args", '"text"'], "must be a JSON object"),
+        (["serve", "--lora-target-modules", "q_proj;o_proj"], "not a list of module names"),
+        (["serve", "--lora-target-modules", "q_proj,"], "not a list of module names"),
         (["serve", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
         (["--log-format", "yaml", "serve"], "must be one of: plain, json"),
     ],
