@@ -7,7 +7,7 @@ one at a time, base-model calls (which run through the all-zero stand-in adapter
 build) and the adapter's. Reports each replica's median latency and their ratio, measured in
 the same run.
 
-Usage: python -m bench.lora_targets [--rounds 3] [--calls 5]   (about 3 minutes)
+Usage: python -m bench.lora_targets [--rounds 3] [--calls 5] [--swap-cores]   (about 3 minutes)
 """
 
 from __future__ import annotations
@@ -35,13 +35,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument(
+        "--swap-cores", action="store_true", help="the targeted replica on core 0, not 1"
+    )
     args = parser.parse_args()
+    every_core, targeted_core = (1, 0) if args.swap_cores else (0, 1)
     with ExitStack() as stack:
         scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="lora-targets-")))
         adapter = build_adapter(prepare_default_model(), scratch / ADAPTER, seed=1)
         serving = ["--lora-modules", f"{ADAPTER}={adapter}"]
-        every = stack.enter_context(replica(0, serving))
-        targeted = stack.enter_context(replica(1, [*serving, *ADAPTER_TARGETS]))
+        every = stack.enter_context(replica(every_core, serving))
+        targeted = stack.enter_context(replica(targeted_core, [*serving, *ADAPTER_TARGETS]))
         print(f"| call | round | every module (s) | {'+'.join(ADAPTER_MODULES)} only (s) | ratio |")
         print("|---|---|---|---|---|")
         for number in range(1, args.rounds + 1):
