@@ -370,8 +370,6 @@ class AdapterRegistry:
 
     def check(self, name: str, source: Path) -> None:
         check_adapter(LoraModule(name, source), self.settings.max_lora_rank, self.model_dir)
-        if (targets := engine_targets(self.engine.vllm_config)) is not None:
-            targets.check(LoraModule(name, source))
         size = adapter_files.total_bytes(source)
         if size > self.settings.max_adapter_bytes:
             raise AdapterCapacityError(
@@ -385,6 +383,8 @@ class AdapterRegistry:
                 helper.validate_legal(lora_config)
         except (ValueError, TypeError, KeyError) as error:
             raise AdapterInvalidError(f"adapter {quote(name)}: {error}") from None
+        if (targets := engine_targets(self.engine.vllm_config)) is not None:
+            targets.check(LoraModule(name, source))
 
     # Retiring
 

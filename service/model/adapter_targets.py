@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from vllm.config import VllmConfig
 from vllm.lora.utils import is_in_target_modules, parse_fine_tuned_lora_name
 from vllm.model_executor.models.registry import ModelRegistry
@@ -63,9 +63,14 @@ def adapter_modules(adapter: LoraModule) -> set[str]:
     safetensors, else the list its config declares (PEFT's target_modules)."""
     weights = adapter.path / SAFETENSORS_WEIGHTS
     if weights.is_file():
-        with safe_open(str(weights), framework="pt") as tensors:
-            names = [parse_fine_tuned_lora_name(key)[0] for key in tensors.keys()]  # noqa: SIM118
-        return {name.rsplit(".", 1)[-1] for name in names}
+        try:
+            with safe_open(str(weights), framework="pt") as tensors:
+                keys = list(tensors.keys())
+        except (OSError, SafetensorError) as error:
+            raise AdapterInvalidError(
+                f"adapter {quote(adapter.name)}: cannot read {weights}: {error}"
+            ) from None
+        return {name.rsplit(".", 1)[-1] for name in map(lora_module_name, keys) if name}
     declared = adapter_config(adapter).get("target_modules")
     if isinstance(declared, list) and all(isinstance(name, str) for name in declared):
         return {name.rsplit(".", 1)[-1] for name in declared}
@@ -74,3 +79,12 @@ def adapter_modules(adapter: LoraModule) -> set[str]:
         f"{SAFETENSORS_WEIGHTS}, and its config's target_modules is not a list), and this "
         "server gives LoRA layers only to --lora-target-modules"
     )
+
+
+def lora_module_name(weight: str) -> str | None:
+    """The module a LoRA weight belongs to, as vLLM names it; None for a weight that is not
+    LoRA's (vLLM's own checks refuse those that it cannot serve)."""
+    try:
+        return parse_fine_tuned_lora_name(weight)[0]
+    except ValueError:
+        return None

@@ -4,6 +4,7 @@ own name or its packed module's."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,9 +13,11 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import save_file
+from vllm.lora.request import LoRARequest
 
 from service.model.adapter_checks import AdapterInvalidError
 from service.model.adapter_targets import TargetModules, adapter_modules, engine_targets
+from service.model.adapters import ModelCatalog, load_adapters, lora_requests
 from service.settings import LoraModule
 
 LLAMA_PACKED = {
@@ -93,3 +96,37 @@ def test_the_engines_targets_carry_the_served_models_packed_modules() -> None:
     targets = engine_targets(config(["qkv_proj"]))
     assert targets is not None and targets.packed["qkv_proj"] == ["q_proj", "k_proj", "v_proj"]
     assert targets.covers("v_proj") and not targets.covers("o_proj")
+
+
+def test_weights_that_are_not_loras_are_left_to_vllms_checks(tmp_path: Path) -> None:
+    made = adapter(tmp_path, ("q_proj",))
+    weights = made.path / "adapter_model.safetensors"
+    extra = {"base_model.model.lm_head.weight": torch.ones(2, 2)}
+    save_file({**extra, weight_name("q_proj", "A"): torch.ones(2, 2)}, weights)
+    assert adapter_modules(made) == {"q_proj"}
+
+
+def test_unreadable_weights_are_refused_naming_the_file(tmp_path: Path) -> None:
+    made = adapter(tmp_path, ("q_proj",))
+    (made.path / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(
+        AdapterInvalidError, match=r"`sql`: cannot read .*adapter_model\.safetensors"
+    ):
+        adapter_modules(made)
+
+
+def test_a_start_with_an_adapter_outside_the_targets_loads_nothing(tmp_path: Path) -> None:
+    made = adapter(tmp_path, ("q_proj", "o_proj"))
+    loaded: list[str] = []
+
+    async def add_lora(request: LoRARequest) -> None:
+        loaded.append(request.lora_name)
+
+    engine = SimpleNamespace(vllm_config=config(["q_proj", "v_proj"]), add_lora=add_lora)
+    catalog = ModelCatalog("base", lora_requests([made]))
+    with pytest.raises(AdapterInvalidError, match="`sql` changes o_proj"):
+        asyncio.run(load_adapters(engine, catalog))  # type: ignore[arg-type]
+    assert loaded == []
+    engine.vllm_config = config(["qkv_proj", "o_proj"])
+    asyncio.run(load_adapters(engine, catalog))  # type: ignore[arg-type]
+    assert loaded == ["sql"]
