@@ -256,7 +256,9 @@ def start_main(logs: Path) -> Engine:
 
 def start_vllm(model_dir: Path) -> Engine:
     """vLLM's own OpenAI server on the same model directory, context length and chat flags,
-    with prefix caching on (as ours has it) and its hits reported."""
+    with prefix caching on (as ours has it) and its hits reported. Both of vLLM's servers run
+    their worker inside the engine core, as ours does: the same tokens, and no core spinning
+    on each step's result beside the other shard's tests."""
     STARTS.record("vllm")
     return VllmServer(
         VllmOpenAIServer(
@@ -266,6 +268,7 @@ def start_vllm(model_dir: Path) -> Engine:
             kv_cache_gib=1,
             extra_args=["--enable-prompt-tokens-details", *CHAT_FLAGS],
             prefix_caching=True,
+            worker_in_core=True,
         )
     )
 
@@ -318,6 +321,7 @@ def start_vllm_lora(model_dir: Path, adapter_dirs: dict[str, Path]) -> Engine:
                 *("--enable-lora", "--max-loras", "2", *lora_flags(adapter_dirs)),
                 *("--lora-target-modules", *ADAPTER_MODULES),
             ],
+            worker_in_core=True,
         )
     )
 
