@@ -23,6 +23,7 @@ from vllm.config import VllmConfig
 from vllm.platforms import current_platform
 from vllm.utils.ompmultiprocessing import OMPProcessManager
 
+from service.model.gloo_timer_slack import QUIET_GLOO_CPU_WORKER, VLLM_CPU_WORKER
 from service.model.standby_core import Standby, standing_in
 from service.settings import EngineSettings
 
@@ -47,9 +48,13 @@ def runs_worker_in_core(config: VllmConfig, chosen_backend: str | None) -> bool:
 
 def place_worker(config: VllmConfig, chosen_backend: str | None) -> None:
     """Set the executor of a resolved configuration (vLLM's CPU build resolves its own process
-    whatever was asked)."""
-    if runs_worker_in_core(config, chosen_backend):
-        config.parallel_config.distributed_executor_backend = IN_CORE
+    whatever was asked), and vLLM's CPU worker's gloo threads quiet (gloo_timer_slack)."""
+    if not runs_worker_in_core(config, chosen_backend):
+        return
+    parallel = config.parallel_config
+    parallel.distributed_executor_backend = IN_CORE
+    if parallel.worker_cls == VLLM_CPU_WORKER:
+        parallel.worker_cls = QUIET_GLOO_CPU_WORKER
 
 
 def may_run_worker_in_core(settings: EngineSettings) -> bool:

@@ -10,9 +10,15 @@ from typing import Any
 import pytest
 
 from service.model import in_core_worker
+from service.model.gloo_timer_slack import QUIET_GLOO_CPU_WORKER, VLLM_CPU_WORKER
 
 
-def config(world_size: int = 1, data_parallel: int = 1, backend: str = "mp") -> Any:
+def config(
+    world_size: int = 1,
+    data_parallel: int = 1,
+    backend: str = "mp",
+    worker_cls: str = VLLM_CPU_WORKER,  # as vLLM's CPU build resolves "auto"
+) -> Any:
     parallel = SimpleNamespace(
         world_size=world_size,
         local_world_size=world_size,
@@ -20,6 +26,7 @@ def config(world_size: int = 1, data_parallel: int = 1, backend: str = "mp") -> 
         data_parallel_rank_local=None,
         _api_process_count=1,
         distributed_executor_backend=backend,
+        worker_cls=worker_cls,
     )
     model = SimpleNamespace(multimodal_config=None)
     return SimpleNamespace(parallel_config=parallel, kv_transfer_config=None, model_config=model)
@@ -30,6 +37,14 @@ def test_one_cpu_worker_runs_in_the_engine_core(chosen: str | None) -> None:
     resolved = config()  # vLLM's CPU build resolves a process of its own ("mp")
     in_core_worker.place_worker(resolved, chosen)
     assert resolved.parallel_config.distributed_executor_backend == "uni"
+    assert resolved.parallel_config.worker_cls == QUIET_GLOO_CPU_WORKER
+
+
+def test_a_worker_class_the_operator_chose_is_kept() -> None:
+    resolved = config(worker_cls="their.own.Worker")
+    in_core_worker.place_worker(resolved, None)
+    assert resolved.parallel_config.distributed_executor_backend == "uni"
+    assert resolved.parallel_config.worker_cls == "their.own.Worker"
 
 
 @pytest.mark.parametrize(
@@ -44,6 +59,7 @@ def test_one_cpu_worker_runs_in_the_engine_core(chosen: str | None) -> None:
 def test_other_engines_keep_vllms_arrangement(resolved: Any, chosen: str | None) -> None:
     in_core_worker.place_worker(resolved, chosen)
     assert resolved.parallel_config.distributed_executor_backend == "mp"
+    assert resolved.parallel_config.worker_cls == VLLM_CPU_WORKER
 
 
 def test_a_gpu_engine_keeps_vllms_arrangement(monkeypatch: pytest.MonkeyPatch) -> None:
