@@ -38,18 +38,26 @@ CALLS = {
 
 
 @contextmanager
-def replica(core: int, extra: list[str]) -> Iterator[str]:
-    """A replica of the embedded model on `core`, serving until the block ends: its target."""
+def replica_process(core: int, extra: list[str]) -> Iterator[tuple[str, int]]:
+    """A replica of the embedded model on `core`, serving until the block ends: its target and
+    its server's pid."""
     port = free_port()
     command = [sys.executable, "-m", "service", "serve", "--port", str(port)]
     command += ["--cpu-cores", str(core), "--metrics-port", str(free_port()), *extra]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_serving(f"127.0.0.1:{port}", server)
-        yield f"127.0.0.1:{port}"
+        yield f"127.0.0.1:{port}", server.pid
     finally:
         server.terminate()
         server.wait(timeout=60)
+
+
+@contextmanager
+def replica(core: int, extra: list[str]) -> Iterator[str]:
+    """A replica of the embedded model on `core`, serving until the block ends: its target."""
+    with replica_process(core, extra) as (target, _):
+        yield target
 
 
 def latency(stub: completions_pb2_grpc.CompletionServiceStub, fields: dict[str, object]) -> float:
