@@ -38,6 +38,10 @@ TOKEN_GAP_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.2
 SEVERAL_FRONTENDS = MULTIPROCESS_ENV in os.environ
 GAUGE_SECONDS = 0.25
 READ_ATTEMPTS = 5  # reads of a count the event loop may be changing, per scrape
+# A caller's own words in a request's log line and span (the model it named, its user field):
+# at most this many characters, so that no request writes a line of 100 KB (a served model's
+# name is far shorter). Prompts, logged only with --log-prompts, are kept whole.
+CALLER_TEXT_CHARS = 256
 FRONTEND: dict[str, str] = {}  # {"frontend": index} in a frontend of several
 
 REQUESTS = Counter(
@@ -197,6 +201,13 @@ def choice_text(choice: Any) -> str:
         return str(choice.text)
     said = choice.delta if choice.HasField("delta") else choice.message
     return str(said.content)
+
+
+def caller_text(text: str) -> str:
+    """`text` as logged: whole up to CALLER_TEXT_CHARS, else cut there, saying how long it was."""
+    if len(text) <= CALLER_TEXT_CHARS:
+        return text
+    return f"{text[:CALLER_TEXT_CHARS]}... ({len(text)} characters)"
 
 
 @dataclass

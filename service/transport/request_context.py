@@ -19,7 +19,7 @@ from service.api import endpoint_models
 from service.transport.call_tracing import start_call_span
 from service.transport.endpoint_header import passed_listing
 from service.transport.interception import StreamBehaviour, StreamInterceptor
-from service.transport.observability import IN_FLIGHT, RequestRecord
+from service.transport.observability import IN_FLIGHT, RequestRecord, caller_text
 
 REQUEST_ID_HEADER = "x-request-id"
 # Accepted from callers as is; anything else is replaced, so ids stay safe to log and echo.
@@ -107,8 +107,8 @@ class RequestContextInterceptor(StreamInterceptor):
         return RequestRecord(
             request_id=request_id(context),
             method=method,
-            model=getattr(request, "model", "") or getattr(request, "lora_name", ""),
-            user=getattr(request, "user", ""),
+            model=caller_text(getattr(request, "model", "") or getattr(request, "lora_name", "")),
+            user=caller_text(getattr(request, "user", "")),
             stream=getattr(request, "stream", False),
             prompts=logged_prompts(request) if self._log_prompts else None,
         )

@@ -27,7 +27,7 @@ from service.api.errors import ModelNotFoundError, OverloadedError
 from service.model.load import LoadSnapshot
 from service.transport.error_mapping import ErrorMappingInterceptor
 from service.transport.load_reports import LoadReports
-from service.transport.observability import REQUESTS, read_while_served
+from service.transport.observability import CALLER_TEXT_CHARS, REQUESTS, read_while_served
 from service.transport.request_context import RequestContextInterceptor
 from service.transport.rest_bridge import END_OF_EVENTS, FRAMING_HEADER, HTTP_STATUS_HEADER
 
@@ -284,3 +284,24 @@ def test_a_count_the_event_loop_changes_while_scraped_never_fails_the_scrape() -
 
     stuck = read_while_served(always_changing)
     assert stuck() == 0.0
+
+
+def test_a_callers_long_model_name_and_user_are_logged_cut_and_measured(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A request naming a model of 100,000 characters is answered (here: not found) and logged
+    in one line of bounded length that says how long the name was."""
+    request = CreateCompletionRequest(model="m" * 100_000, user="u" * 5_000)
+    with caplog.at_level("INFO", logger="service.requests"):
+        asyncio.run(drain(chain(fails_at_once), request, FakeContext()))
+    (line,) = [r for r in caplog.records if r.name == "service.requests"]
+    fields = line.fields  # type: ignore[attr-defined]
+    assert fields["model"] == "m" * CALLER_TEXT_CHARS + "... (100000 characters)"
+    assert fields["user"] == "u" * CALLER_TEXT_CHARS + "... (5000 characters)"
+    short = CreateCompletionRequest(model="smollm2-135m-instruct", user="alice")
+    caplog.clear()
+    with caplog.at_level("INFO", logger="service.requests"):
+        asyncio.run(drain(chain(two_chunks), short, FakeContext()))
+    (line,) = [r for r in caplog.records if r.name == "service.requests"]
+    fields = line.fields  # type: ignore[attr-defined]
+    assert (fields["model"], fields["user"]) == ("smollm2-135m-instruct", "alice")
