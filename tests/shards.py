@@ -27,14 +27,13 @@ SHARD_ENV = "TEST_SHARD"
 
 # The "fleet" shard's modules: the traced fleet's, and some of those that use no shared engine
 # (each starts what it needs, or nothing, and stops it), as many as keep the two shards about
-# equally long (a working copy on 2026-12-06: stack 18.3, fleet 16.5 minutes before the TLS
-# stack's module moved to "fleet"; a fresh clone, later, stack 13.5 and fleet 12.9 before the
-# command line's and the manifests' modules, which start no engine, moved too). Every other
-# module runs in "stack".
+# equally long on a fresh machine, where the fleet shard also runs the image's install from
+# nothing (tests/test_image_runtime.py, at the lowest priority). A working copy on 2026-12-06:
+# stack 18.3, fleet 16.5 minutes before the TLS stack's module moved to "fleet"; fresh clones,
+# later: stack 13.5, fleet 13.9 with the command line's and the manifests' modules (which start
+# no engine) in "fleet"; they run in "stack" since. Every other module runs in "stack".
 FLEET_MODULES = (
     "test_capacity.py",
-    "test_cli.py",
-    "test_deploy.py",
     "test_engine_death.py",
     "test_engine_lifetime.py",
     "test_fleet_adapters.py",
