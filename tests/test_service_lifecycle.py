@@ -1,7 +1,8 @@
 """The session's small engine, watched from start to stop: health transitions, where it runs
 (started with automatic binding beside the session's default stack, it warns that they share
-cores and moves its engine core onto the cores vLLM bound its worker to), JSON logs with
-prompts, `add_special_tokens` on a model whose tokenizer adds a BOS token, and a drain.
+cores and moves its engine core onto the cores vLLM bound its worker to), its worker's gloo
+loops started with timer slack, JSON logs with prompts and with a caller's overlong model name
+cut, `add_special_tokens` on a model whose tokenizer adds a BOS token, and a drain.
 
 The default model's tokenizer adds no special tokens, so the small engine serves a variant of
 it (the same weights; a tokenizer that prepends <|endoftext|>). tests/test_capacity.py uses
@@ -26,6 +27,8 @@ import pytest
 from grpc_health.v1 import health_pb2
 from llmcompletions.v2 import completions_pb2_grpc
 
+from service.model.gloo_timer_slack import GLOO_LOOP_SLACK_NS
+from service.transport.observability import CALLER_TEXT_CHARS
 from tests.conftest import BOS_MODEL, SmallStack
 from tests.helpers import grpc_complete, grpc_request
 from tests.processes import HealthWatch, thread_affinities
@@ -115,6 +118,48 @@ def test_json_request_log_lines_carry_prompts_when_asked(service: LifecycleServi
     assert last["completion_tokens"] == 3
     assert "Logged prompt" in last["prompts"][0]
     assert last["output"] == result.choices[0].text
+
+
+def request_log_lines(log: Path) -> list[str]:
+    return [line for line in log.read_text().splitlines() if '"message": "request"' in line]
+
+
+def test_an_overlong_model_name_is_not_found_and_logged_cut(service: LifecycleService) -> None:
+    """A caller naming a model of 100,000 characters gets NOT_FOUND, and the replica's log line
+    for it stays short, saying how long the name was."""
+    with pytest.raises(grpc.RpcError) as refused:
+        grpc_complete(service.stub, model="m" * 100_000, prompt="Hi", max_tokens=1)
+    assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+    time.sleep(0.5)
+    line = request_log_lines(service.log)[-1]
+    entry = json.loads(line)
+    assert entry["status"] == "NOT_FOUND"
+    assert entry["model"] == "m" * CALLER_TEXT_CHARS + "... (100000 characters)"
+    assert len(line) < 2_000
+
+
+def thread_slack(pid: int) -> dict[str, set[int]]:
+    """The timer slack of a process's threads, by thread name."""
+    slack: dict[str, set[int]] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        name = (task / "comm").read_text().strip()
+        slack.setdefault(name, set()).add(int(Path(f"/proc/{task.name}/timerslack_ns").read_text()))
+    return slack
+
+
+def test_the_engine_cores_gloo_loops_wake_with_slack_and_nothing_else_does(
+    service: LifecycleService,
+) -> None:
+    """The worker's gloo loop threads (inside the engine core) carry the timer slack that
+    keeps an idle engine from waking a hundred times a second; the engine core's own thread
+    and the server's keep the kernel's default."""
+    server = psutil.Process(service.process.pid)
+    slacks = {p.pid: thread_slack(p.pid) for p in server.children(recursive=True)}
+    (core,) = [pid for pid, slack in slacks.items() if "gloo_tcp_loop" in slack]
+    assert slacks[core]["gloo_tcp_loop"] == {GLOO_LOOP_SLACK_NS}
+    default = int(Path(f"/proc/{server.pid}/timerslack_ns").read_text())
+    assert default < GLOO_LOOP_SLACK_NS
+    assert int(Path(f"/proc/{core}/timerslack_ns").read_text()) == default
 
 
 def test_sigterm_drains_streams_in_flight_then_exits_cleanly(service: LifecycleService) -> None:
