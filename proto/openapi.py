@@ -32,6 +32,7 @@ SCALARS: dict[int, JsonSchema] = {
     FieldProto.TYPE_INT32: {"type": "integer", "format": "int32"},
     FieldProto.TYPE_UINT32: {"type": "integer", "format": "int32", "minimum": 0},
     FieldProto.TYPE_INT64: {"type": "integer", "format": "int64"},
+    FieldProto.TYPE_BYTES: {"type": "string", "format": "byte"},
 }
 INTEGERS = (FieldProto.TYPE_INT32, FieldProto.TYPE_UINT32, FieldProto.TYPE_INT64)
 # Annotations of the proto, not part of the REST surface.
@@ -104,8 +105,22 @@ VALUE_FIELDS: dict[str, JsonSchema] = {
             {
                 "type": "array",
                 "items": {
-                    "type": "object",
-                    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+                    "oneOf": [
+                        {
+                            "type": "object",
+                            "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+                        },
+                        {
+                            "type": "object",
+                            "properties": {
+                                "type": {"const": "image_url"},
+                                "image_url": {
+                                    "type": "object",
+                                    "properties": {"url": {"type": "string"}},
+                                },
+                            },
+                        },
+                    ]
                 },
             },
             {"type": "null"},

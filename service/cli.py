@@ -15,6 +15,7 @@ from service.options import (
     add_chat_options,
     add_engine_options,
     add_limit_options,
+    add_media_options,
     add_option,
     add_server_options,
     add_transport_options,
@@ -64,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_limit_options(serve)
     add_transport_options(serve)
     add_chat_options(serve)
+    add_media_options(serve)
     add_engine_options(serve)
     commands.add_parser("prepare-model", help="convert the embedded default model into the cache")
     tenants = commands.add_parser("tenants", help="the tenants file's tools")
@@ -120,7 +122,10 @@ def serve_checked(
 
     with torch_loaded_single_threaded():  # the engine core, frontends may be copies of this
         from service.api.chat import ChatSettingsError, check_chat_settings
+        from service.api.media.connector import use_guarded_fetcher
         from service.model.adapters import check_max_lora_rank
+
+    use_guarded_fetcher(server.chat.media)  # before vLLM caches its environment
 
     try:
         check_chat_settings(server.chat)

@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,10 +29,12 @@ from service.model.capacity import QUEUED_BATCHES, QUEUED_PREFILL_STEPS
 from service.model.default_model import DEFAULT_SERVED_MODEL_NAME
 from service.model.placement import PlacementError, available_cores, parse_core_list
 from service.settings import (
+    DEFAULT_IMAGES_PER_PROMPT,
     ChatSettings,
     EngineSettings,
     KeepaliveSettings,
     LoraModule,
+    MediaSettings,
     RequestLimits,
     ServerSettings,
 )
@@ -592,6 +595,114 @@ def chat_settings(args: argparse.Namespace) -> ChatSettings:
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         reasoning_parser=args.reasoning_parser,
+        media=MediaSettings(
+            max_bytes=args.max_media_bytes,
+            max_pixels=args.max_image_pixels,
+            fetch_timeout_seconds=args.media_fetch_timeout,
+        ),
+    )
+
+
+HOST_NAME = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.:-]+)$")
+
+
+def host_names(text: str) -> tuple[str, ...]:
+    """Host names separated by commas, each exactly as URLs name it (no scheme or port)."""
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    for name in names:
+        if not HOST_NAME.match(name) or name.count(":") == 1:
+            raise argparse.ArgumentTypeError(
+                f"{name!r} is not a host name; give names alone, e.g. images.example.com,"
+                "10.0.0.7 (no scheme, port or path)"
+            )
+    return names
+
+
+host_names.__name__ = "host list"  # argparse: "invalid host list value"
+
+
+def items_per_prompt(text: str) -> dict[str, Any]:
+    """vLLM's --limit-mm-per-prompt form: a JSON object of counts (or of {"count": N, ...})
+    by modality."""
+    limits = json_object(text)
+    for modality, limit in limits.items():
+        count = limit.get("count") if isinstance(limit, dict) else limit
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise argparse.ArgumentTypeError(
+                f"{modality!r} needs a count of 0 or more, e.g. '{{\"image\": 2}}'"
+            )
+    return limits
+
+
+items_per_prompt.__name__ = "JSON object"
+
+
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be 0 or more")
+    return value
+
+
+non_negative_float.__name__ = "float"
+
+
+def add_media_options(serve: argparse.ArgumentParser) -> None:
+    """Images in chat messages (a model that takes them): what the fetcher may reach, and what
+    one image and one prompt may hold."""
+    media = MediaSettings()
+    add_option(
+        serve,
+        "--allowed-media-domains",
+        "ALLOWED_MEDIA_DOMAINS",
+        None,
+        "image URLs may name only these hosts (exact names, comma-separated; each exempt from "
+        "the address check, so an internal image store can be allowed on purpose); unset: "
+        "any host whose addresses are all public",
+        host_names,
+    )
+    add_option(
+        serve,
+        "--limit-mm-per-prompt",
+        "LIMIT_MM_PER_PROMPT",
+        json.dumps({"image": DEFAULT_IMAGES_PER_PROMPT}),
+        "media items one request may hold, by modality, as vLLM's JSON form, counted before "
+        "any is fetched",
+        items_per_prompt,
+    )
+    add_option(
+        serve,
+        "--max-media-bytes",
+        "MAX_MEDIA_BYTES",
+        media.max_bytes,
+        "bytes one image may have, inline or downloaded (a download stops there)",
+        positive_int,
+    )
+    add_option(
+        serve,
+        "--max-image-pixels",
+        "MAX_IMAGE_PIXELS",
+        media.max_pixels,
+        "pixels (width x height) an image may declare; checked before it is decoded",
+        positive_int,
+    )
+    add_option(
+        serve,
+        "--media-fetch-timeout",
+        "MEDIA_FETCH_TIMEOUT",
+        media.fetch_timeout_seconds,
+        "seconds one image's download may take, from connecting to its last byte (one "
+        "attempt, no retries)",
+        positive_float,
+    )
+    add_option(
+        serve,
+        "--mm-processor-cache-gb",
+        "MM_PROCESSOR_CACHE_GB",
+        None,
+        "GiB of processed images each frontend and engine core process keeps for reuse "
+        "(vLLM's flag; 0: none); unset: vLLM's default, 4",
+        non_negative_float,
     )
 
 
@@ -684,6 +795,9 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
         max_logprobs=ENGINE_MAX_LOGPROBS,
         extra_engine_args=args.engine_args,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
+        allowed_media_domains=args.allowed_media_domains,
+        limit_mm_per_prompt=args.limit_mm_per_prompt,
+        mm_processor_cache_gb=args.mm_processor_cache_gb,
     )
 
 

@@ -11,6 +11,10 @@ from plumbing.ports import DEFAULT_GRPC_PORT, frontend_ports
 from plumbing.tls import TlsSettings
 from plumbing.tracing import TracingSettings
 
+# Images one prompt may hold unless the operator says otherwise (vLLM's own default is 999):
+# each may be a fetch of up to MediaSettings.max_bytes.
+DEFAULT_IMAGES_PER_PROMPT = 8
+
 
 @dataclass(frozen=True)
 class LoraModule:
@@ -73,6 +77,15 @@ class EngineSettings:
     extra_engine_args: dict[str, Any] = field(default_factory=dict)
     # vLLM's request spans (`llm_request`) go here; None: no tracing.
     otlp_traces_endpoint: str | None = None
+    # Images (and other media) in chat messages, on a model that takes them: the only hosts
+    # URLs may name (None: any host at a public address), the items a prompt may hold by
+    # modality (vLLM's --limit-mm-per-prompt form), and the processed-input cache of each
+    # process (GiB; None: vLLM's default).
+    allowed_media_domains: tuple[str, ...] | None = None
+    limit_mm_per_prompt: dict[str, Any] = field(
+        default_factory=lambda: {"image": DEFAULT_IMAGES_PER_PROMPT}
+    )
+    mm_processor_cache_gb: float | None = None
 
     @property
     def runtime_adapters(self) -> bool:
@@ -104,6 +117,17 @@ class RequestLimits:
 
 
 @dataclass(frozen=True)
+class MediaSettings:
+    """How the media fetcher (service.api.media) reads an image a chat message names: the
+    bounds on one image. Which hosts it may reach and how many images a prompt may hold are
+    engine settings (vLLM's model config carries them)."""
+
+    max_bytes: int = 10 * 1024 * 1024  # one image, encoded: a 12-megapixel JPEG is 3-6 MB
+    max_pixels: int = 4096 * 4096  # declared width x height, checked before decoding
+    fetch_timeout_seconds: float = 10.0  # one attempt, connect to last byte
+
+
+@dataclass(frozen=True)
 class ChatSettings:
     """How chat requests are rendered and their replies parsed, with the names and meanings of
     `vllm serve`'s flags."""
@@ -115,6 +139,7 @@ class ChatSettings:
     tool_call_parser: str | None = None  # e.g. "hermes": tool calls parsed out of the output
     enable_auto_tool_choice: bool = False  # `tool_choice: "auto"`: needs tool_call_parser
     reasoning_parser: str | None = None  # reasoning split from the content of a reply
+    media: MediaSettings = field(default_factory=MediaSettings)  # images in messages
 
 
 @dataclass(frozen=True)

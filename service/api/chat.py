@@ -52,6 +52,8 @@ from service.api.chat_replies import ChatReplies
 from service.api.chat_requests import chat_constraint_field, validate_chat_request, vllm_request
 from service.api.endpoint_models import adapter_for_call, check_served
 from service.api.errors import PriorityNotEnabledError
+from service.api.media.connector import use_guarded_fetcher
+from service.api.media.parts import MediaPolicy
 from service.model.engine import ServedModel
 from service.settings import ChatSettings, RequestLimits
 
@@ -181,6 +183,8 @@ class ChatHandler:
         self.limits = limits
         self.backlog = backlog
         self.serving = chat_serving(model, settings)
+        use_guarded_fetcher(settings.media)  # every image this process renders
+        self.media = MediaPolicy.of(model.engine.model_config)
 
     async def complete(
         self, request: CreateChatCompletionRequest, record: CallRecord, call: CancellableCall
@@ -224,20 +228,25 @@ class ChatHandler:
                 )
 
     def validate(self, request: CreateChatCompletionRequest) -> None:
-        validate_chat_request(
-            request, self.model.vocab_size, self.model.structured_outputs_backend, self.limits
-        )
+        self.check_request(request)
         if request.priority and self.model.scheduling_policy != "priority":
             raise PriorityNotEnabledError(request.priority)
         check_served(self.model.adapters, request.model)  # 404 unless served
         self.backlog.check(request.n if request.HasField("n") else 1)
 
+    def check_request(self, request: CreateChatCompletionRequest) -> None:
+        validate_chat_request(
+            request,
+            self.model.vocab_size,
+            self.model.structured_outputs_backend,
+            self.limits,
+            self.media,
+        )
+
     async def prompt_token_ids(self, request: CreateChatCompletionRequest) -> list[int]:
         """The conversation rendered and tokenized exactly as a chat request renders it."""
         with building_request():
-            validate_chat_request(
-                request, self.model.vocab_size, self.model.structured_outputs_backend, self.limits
-            )
+            self.check_request(request)
             check_served(self.model.adapters, request.model)  # 404 unless served
             rendered = await self.serving.online_renderer.render_chat(
                 vllm_request(request, "tokenize")

@@ -26,6 +26,7 @@ from service.api.constraints import (
 )
 from service.api.declared_ranges import declared_ranges
 from service.api.errors import Loc, RequestValidationError
+from service.api.media.parts import MediaPolicy, check_media, message_content
 from service.api.validation import (
     Violations,
     check_backend,
@@ -54,6 +55,7 @@ def validate_chat_request(
     vocab_size: int,
     structured_outputs_backend: str,
     limits: RequestLimits,
+    media: MediaPolicy,
 ) -> None:
     """Raise RequestValidationError listing every violation of the API's own rules; vLLM's
     request model checks the rest (the forms of messages, tools and tool_choice)."""
@@ -61,6 +63,7 @@ def validate_chat_request(
     if not request.model:
         found.add(("model",), "model is required", "missing")
     check_messages(request, found)
+    check_media(request.messages, request.model, media, found)
     check_tools(request, found)
     check_numeric_ranges(request, found, CHAT_RANGES)
     check_stop(request.stop if request.HasField("stop") else None, found)
@@ -139,6 +142,9 @@ def vllm_request(request: CreateChatCompletionRequest, request_id: str) -> ChatC
     body: dict[str, Any] = json_format.MessageToDict(request, preserving_proto_field_name=True)
     for name in OURS_ONLY:
         body.pop(name, None)
+    for message, given in zip(body.get("messages", []), request.messages, strict=True):
+        if message.pop("parts", None) is not None:
+            message["content"] = message_content(given)
     # JSON schemas with their whole numbers as integers again (a Struct holds doubles).
     for tool, given in zip(body.get("tools", []), request.tools, strict=True):
         if given.function.HasField("parameters"):

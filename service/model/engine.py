@@ -86,6 +86,16 @@ def lora_args(settings: EngineSettings, catalog: ModelCatalog) -> dict[str, Any]
     return args
 
 
+def media_args(settings: EngineSettings) -> dict[str, Any]:
+    """What vLLM's model config holds of the media settings (a text-only model ignores it)."""
+    args: dict[str, Any] = {"limit_mm_per_prompt": dict(settings.limit_mm_per_prompt)}
+    if settings.allowed_media_domains is not None:
+        args["allowed_media_domains"] = list(settings.allowed_media_domains)
+    if settings.mm_processor_cache_gb is not None:
+        args["mm_processor_cache_gb"] = settings.mm_processor_cache_gb
+    return args
+
+
 def engine_args(
     settings: EngineSettings, model_dir: Path, catalog: ModelCatalog
 ) -> AsyncEngineArgs:
@@ -126,6 +136,7 @@ def engine_args(
     if kv_cache_gib is not None:
         args["kv_cache_memory_bytes"] = int(kv_cache_gib * GIB)
     args.update(lora_args(settings, catalog))
+    args.update(media_args(settings))
     if settings.otlp_traces_endpoint:
         args["otlp_traces_endpoint"] = settings.otlp_traces_endpoint  # vLLM's request spans
     args.update(settings.extra_engine_args)

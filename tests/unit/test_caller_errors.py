@@ -43,12 +43,15 @@ from service.api.caller_errors import (
 )
 from service.api.chat import CALL_CONSTRAINT, CatalogChat
 from service.api.chat_requests import chat_constraint_field, validate_chat_request, vllm_request
+from service.api.media.addresses import HostRules
+from service.api.media.parts import MediaPolicy
 from service.api.completions import CompletionHandler
 from service.api.errors import CompletionError, Loc, ModelNotFoundError, http_status
 from service.settings import RequestLimits
 from service.transport.rest_bridge import error_body
 
 HI = [{"role": "user", "content": "Hi"}]
+TEXT_ONLY = MediaPolicy(takes_media=False, images_per_prompt=0, rules=HostRules())
 TOOL = {"type": "function", "function": {"name": "get_weather"}}
 
 
@@ -58,7 +61,7 @@ def built_chat_request(**fields: Any) -> ChatCompletionRequest:
         {"model": MODEL, "messages": HI, **fields}, CreateChatCompletionRequest()
     )
     with building_request():
-        validate_chat_request(request, VOCAB_SIZE, "xgrammar", RequestLimits())
+        validate_chat_request(request, VOCAB_SIZE, "xgrammar", RequestLimits(), TEXT_ONLY)
         return vllm_request(request, "req")
 
 
