@@ -67,8 +67,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def tiny_settings() -> dict[str, object]:
-    """What the directory's name and marker record: a change to any of these is a new model."""
+def text_settings() -> dict[str, object]:
     return {
         "num_hidden_layers": NUM_LAYERS,
         "hidden_size": HIDDEN_SIZE,
@@ -76,12 +75,25 @@ def tiny_settings() -> dict[str, object]:
         "num_attention_heads": NUM_ATTENTION_HEADS,
         "num_key_value_heads": NUM_KEY_VALUE_HEADS,
         "head_dim": HEAD_DIM,
-        "vision_hidden_size": VISION_HIDDEN_SIZE,
-        "vision_intermediate_size": VISION_INTERMEDIATE_SIZE,
-        "vision_layers": VISION_LAYERS,
-        "vision_heads": VISION_HEADS,
+    }
+
+
+def vision_settings() -> dict[str, object]:
+    return {
+        "hidden_size": VISION_HIDDEN_SIZE,
+        "intermediate_size": VISION_INTERMEDIATE_SIZE,
+        "num_hidden_layers": VISION_LAYERS,
+        "num_attention_heads": VISION_HEADS,
         "image_size": IMAGE_SIZE,
         "patch_size": PATCH_SIZE,
+    }
+
+
+def tiny_settings() -> dict[str, object]:
+    """What the marker records: a change to any of these is a new model."""
+    return {
+        "text": text_settings(),
+        "vision": vision_settings(),
         "scale_factor": SCALE_FACTOR,
         "resized_longest_edge": RESIZED_LONGEST_EDGE,
     }
@@ -122,9 +134,8 @@ def text_config(default_dir: Path, vocab_size: int) -> Any:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(default_dir)
-    for key, value in tiny_settings().items():
-        if hasattr(config, key) and not key.startswith(("vision_", "image_", "patch_")):
-            setattr(config, key, value)
+    for key, value in text_settings().items():
+        setattr(config, key, value)
     config.vocab_size = vocab_size
     return config
 
@@ -134,14 +145,7 @@ def vlm_config(default_dir: Path, tokenizer: Any) -> Any:
     from transformers import Idefics3Config, Idefics3VisionConfig
 
     text = text_config(default_dir, len(tokenizer))
-    vision = Idefics3VisionConfig(
-        hidden_size=VISION_HIDDEN_SIZE,
-        intermediate_size=VISION_INTERMEDIATE_SIZE,
-        num_hidden_layers=VISION_LAYERS,
-        num_attention_heads=VISION_HEADS,
-        image_size=IMAGE_SIZE,
-        patch_size=PATCH_SIZE,
-    )
+    vision = Idefics3VisionConfig(**vision_settings())
     return Idefics3Config(
         text_config=text.to_dict(),
         vision_config=vision.to_dict(),

@@ -41,10 +41,17 @@ def report(path: Path) -> None:
     sys.exit(int(os.environ.get(EXIT_CODE_ENV, "0")))
 
 
-@pytest.fixture
-def standby(monkeypatch: pytest.MonkeyPatch) -> Iterator[standby_core.Standby]:
+def as_if_single_threaded(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # as if loaded single-threaded
     monkeypatch.setattr(torch, "set_num_threads", lambda count: None)  # this process keeps its own
+    # As if no thread ran: an idle pool thread an earlier module of this worker left (vLLM's
+    # tokenizer pool) is nothing the copies need.
+    monkeypatch.setattr(standby_core.threading, "active_count", lambda: 1)
+
+
+@pytest.fixture
+def standby(monkeypatch: pytest.MonkeyPatch) -> Iterator[standby_core.Standby]:
+    as_if_single_threaded(monkeypatch)
     (copy,) = standby_core.stand_by(1)
     yield copy
     copy.dismiss()
@@ -150,8 +157,7 @@ def test_the_copy_takes_vllms_title_whatever_the_environment_became(
 ) -> None:
     """The launch's environment lacks a variable the copy was made with and has one it lacked
     (vLLM's placement and the parent-death tie are set after the copy is made)."""
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    monkeypatch.setattr(torch, "set_num_threads", lambda count: None)
+    as_if_single_threaded(monkeypatch)
     monkeypatch.setenv("STANDBY_TEST_GONE_AT_THE_LAUNCH", "1")
     (copy,) = standby_core.stand_by(1)
     monkeypatch.delenv("STANDBY_TEST_GONE_AT_THE_LAUNCH")
@@ -212,8 +218,7 @@ def test_a_process_handed_open_files_uses_them(
 ) -> None:
     """A frontend's shared memory and sockets reach the copy that runs it (spawn would pass
     them on its command line's descriptors; a copy made earlier is sent them)."""
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    monkeypatch.setattr(torch, "set_num_threads", lambda count: None)
+    as_if_single_threaded(monkeypatch)
     first, second = standby_core.stand_by(2)
     counters = get_context("spawn").RawArray("q", 1)
     ours, theirs = Pipe()

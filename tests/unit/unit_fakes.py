@@ -154,7 +154,7 @@ class AnyTextTokenizer(FakeTokenizer):
 class StandInEngine:
     """An idle engine that takes nothing: a request that gets to it was built."""
 
-    model_config = SimpleNamespace(renderer_num_workers=1)
+    model_config = SimpleNamespace(renderer_num_workers=1, is_multimodal_model=False)
 
     def get_num_unfinished_requests(self) -> int:
         return 0
