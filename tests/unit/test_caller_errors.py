@@ -43,10 +43,10 @@ from service.api.caller_errors import (
 )
 from service.api.chat import CALL_CONSTRAINT, CatalogChat
 from service.api.chat_requests import chat_constraint_field, validate_chat_request, vllm_request
-from service.api.media.addresses import HostRules
-from service.api.media.parts import MediaPolicy
 from service.api.completions import CompletionHandler
 from service.api.errors import CompletionError, Loc, ModelNotFoundError, http_status
+from service.api.media.addresses import HostRules
+from service.api.media.parts import MediaPolicy
 from service.settings import RequestLimits
 from service.transport.rest_bridge import error_body
 
