@@ -7,6 +7,7 @@ done."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,6 +22,7 @@ from llmcompletions.v2 import completions_pb2_grpc
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from bench.servers import VllmOpenAIServer
+from bench.tiny_vlm import prepare_tiny_vlm
 from service.api.tenants import hash_key
 from service.model.default_model import DEFAULT_SERVED_MODEL_NAME, prepare_default_model
 from service.model.placement import CPU_BIND_ENV
@@ -78,6 +80,19 @@ SMALL_BATCH = 4
 SMALL_QUEUED_REQS = 40
 SMALL_QUEUED_TOKENS = 2000
 
+# The image stack: the tiny vision-language model (bench/tiny_vlm.py) served by ours and by
+# vLLM's server with the same media settings: images from the loopback host the tests serve,
+# two per prompt. Ours also bounds each image (1 MB, a 3 s fetch).
+VLM_MODEL = "tiny-vlm"
+VLM_ALLOWED_HOST = "127.0.0.1"
+VLM_IMAGES_PER_PROMPT = 2
+VLM_MAX_MEDIA_BYTES = 1_000_000
+VLM_FETCH_TIMEOUT_SECONDS = 3
+VLM_MEDIA_FLAGS = [
+    *("--allowed-media-domains", VLM_ALLOWED_HOST),
+    *("--limit-mm-per-prompt", json.dumps({"image": VLM_IMAGES_PER_PROMPT})),
+]
+
 # The default stack's first modules, in this order, before every other: those that need only
 # the default stack, while vLLM's server starts beside it; then vLLM's server's modules, after
 # which it stops and the adapter pair starts in its place while the other modules run; the
@@ -118,12 +133,18 @@ SHARED_FIXTURES = {
     "vllm_lora_server": "vllm-lora",
     "fleet_replicas": "fleet",
     "small_stack": "small",
+    "vlm_stack": "vlm",
+    "vllm_vlm_server": "vllm-vlm",
 }
 # Started together when a test first needs one of them (those that tests still need). The
 # adapter pair starts only once vLLM's server has stopped (SHARED's successors): each engine's
 # processes hold about 4.5 GiB (top: worker 2.6-2.8, server 1.1, engine core 0.8), so four at
 # once beside the other shard's would come close to a 24 GiB host's memory.
-SHARED_GROUPS = (frozenset({"main", "vllm"}), frozenset({"lora", "vllm-lora"}))
+SHARED_GROUPS = (
+    frozenset({"main", "vllm"}),
+    frozenset({"lora", "vllm-lora"}),
+    frozenset({"vlm", "vllm-vlm"}),
+)
 
 
 @dataclass
@@ -326,6 +347,39 @@ def start_vllm_lora(model_dir: Path, adapter_dirs: dict[str, Path]) -> Engine:
     )
 
 
+def start_vlm(vlm_dir: Path, logs: Path) -> Engine:
+    stack = on_free_ports(
+        "vlm",
+        [
+            *("--model", str(vlm_dir), "--served-model-name", VLM_MODEL),
+            *SMALL_ENGINE,
+            *VLM_MEDIA_FLAGS,
+            *("--max-media-bytes", str(VLM_MAX_MEDIA_BYTES)),
+            *("--media-fetch-timeout", str(VLM_FETCH_TIMEOUT_SECONDS)),
+        ],
+        logs / "vlm-service.log",
+        env={"LOG_FORMAT": "json"},
+    )
+    stack.start()
+    return ReadyStack(stack)
+
+
+def start_vllm_vlm(vlm_dir: Path) -> Engine:
+    """vLLM's own OpenAI server on the tiny VLM with the same context and media settings."""
+    STARTS.record("vllm-vlm")
+    return VllmServer(
+        VllmOpenAIServer(
+            vlm_dir,
+            VLM_MODEL,
+            max_model_len=512,
+            kv_cache_gib=1,
+            extra_args=VLM_MEDIA_FLAGS,
+            prefix_caching=True,
+            worker_in_core=True,
+        )
+    )
+
+
 def pinned_replica(
     engine: str, core: int, log: Path, service_args: list[str], env: dict[str, str] | None = None
 ) -> TestStack:
@@ -395,6 +449,11 @@ def model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def vlm_dir(model_dir: Path) -> Path:
+    return prepare_tiny_vlm()
+
+
+@pytest.fixture(scope="session")
 def tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(model_dir)
 
@@ -424,6 +483,10 @@ def logs_input() -> Path:
     return BUILD_INPUTS["logs"]  # type: ignore[return-value]
 
 
+def vlm_input() -> Path:
+    return BUILD_INPUTS["vlm_dir"]  # type: ignore[return-value]
+
+
 SHARED = SharedEngines(
     builders={
         "main": lambda: start_main(logs_input()),
@@ -432,6 +495,8 @@ SHARED = SharedEngines(
         "vllm-lora": lambda: start_vllm_lora(model_input(), adapters_input()),
         "fleet": lambda: start_fleet(logs_input()),
         "small": lambda: start_small(model_input(), logs_input()),
+        "vlm": lambda: start_vlm(vlm_input(), logs_input()),
+        "vllm-vlm": lambda: start_vllm_vlm(vlm_input()),
     },
     groups=SHARED_GROUPS,
     # The small engine starts beside the fleet's replicas: its placement (vLLM's automatic
@@ -475,6 +540,8 @@ def shared(request: pytest.FixtureRequest, name: str) -> Engine:
     # between two tests, where no fixture can be made).
     if {"lora", "vllm-lora"} & engines.still_needed(test_id):
         BUILD_INPUTS["adapter_dirs"] = request.getfixturevalue("adapter_dirs")
+    if {"vlm", "vllm-vlm"} & engines.still_needed(test_id):
+        BUILD_INPUTS["vlm_dir"] = request.getfixturevalue("vlm_dir")
     return engines.get(name, test_id)
 
 
@@ -526,6 +593,20 @@ def small_stack(request: pytest.FixtureRequest) -> SmallStack:
     engine = shared(request, "small")
     assert isinstance(engine, SmallStack)
     return engine
+
+
+@pytest.fixture(scope="session")
+def vlm_stack(request: pytest.FixtureRequest) -> TestStack:
+    engine = shared(request, "vlm")
+    assert isinstance(engine, ReadyStack)
+    return engine.stack
+
+
+@pytest.fixture(scope="session")
+def vllm_vlm_server(request: pytest.FixtureRequest) -> str:
+    engine = shared(request, "vllm-vlm")
+    assert isinstance(engine, VllmServer)
+    return engine.server.base_url
 
 
 @pytest.fixture(scope="session")

@@ -33,6 +33,8 @@ START_BUDGET: dict[str, int] = {
     "vllm-lora": 1,  # vLLM's server with the same adapters: adapter parity
     "fleet": 2,  # two replicas on their own cores, traced: routing, tracing, engine death
     "small": 1,  # batch of 4, priority, small backlog bounds, a BOS tokenizer: capacity, lifecycle
+    "vlm": 1,  # ours on the tiny vision-language model, with media bounds: images
+    "vllm-vlm": 1,  # vLLM's server on the same model and media settings: image parity
     # One module's own, each stopped, killed, restarted or reconfigured by its tests.
     "tls": 1,  # serves TLS and requires client certificates
     # Two replicas joining a fresh Envoy under traffic, one drained and restarted.

@@ -41,6 +41,7 @@ FLEET_MODULES = (
     "test_generated_code.py",
     "test_gpu_pins.py",
     "test_image_runtime.py",
+    "test_images.py",
     "test_multi_replica.py",
     "test_prefix_routing.py",
     "test_profile_summary.py",
@@ -52,7 +53,7 @@ FLEET_MODULES = (
 # The shared engines (tests/engines.py) each shard may start.
 SHARD_ENGINES = {
     "stack": frozenset({"main", "vllm", "lora", "vllm-lora"}),
-    "fleet": frozenset({"fleet", "small"}),
+    "fleet": frozenset({"fleet", "small", "vlm", "vllm-vlm"}),
 }
 # Engines a test does not place float over the host's cores, one OpenMP thread each, instead
 # of vLLM's automatic binding (the same core for every engine): each shard waits on streams,

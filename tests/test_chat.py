@@ -19,6 +19,7 @@ from llmcompletions.v2.completions_pb2 import CreateChatCompletionRequest
 
 from tests.conftest import API_KEY, GRPC_AUTH, MODEL
 from tests.fault_injection import fault_request_id
+from tests.image_server import ImageServer
 from tests.metrics import sample
 from tests.processes import TestStack
 from tests.test_grpc_tooling import GRPCURL
@@ -436,3 +437,27 @@ def test_chat_calls_are_counted_apart(rest: httpx.Client, metrics_url: str) -> N
     before = sample(metrics_url, "llmcompletions_requests_total", **chat_ok)
     ours(rest, chat_body(CAPITAL, max_completion_tokens=2))
     assert sample(metrics_url, "llmcompletions_requests_total", **chat_ok) == before + 1
+
+
+def test_an_image_for_a_text_only_model_is_refused_before_anything_is_fetched(
+    rest: httpx.Client, grpc_stub: completions_pb2_grpc.CompletionServiceStub
+) -> None:
+    images = ImageServer().start()
+    try:
+        parts = [
+            {"type": "image_url", "image_url": {"url": images.url("/red.png")}},
+            {"type": "text", "text": "What is this?"},
+        ]
+        body = chat_body([{"role": "user", "content": parts}], max_completion_tokens=4)
+        response = rest.post("/v2/chat/completions", json=body)
+        assert response.status_code == 422, response.text
+        (violation,) = response.json()["detail"]
+        assert violation["loc"] == ["body", "messages", 0, "content", 0]
+        assert MODEL in violation["msg"] and "text only" in violation["msg"]
+        with pytest.raises(grpc.RpcError) as refused:
+            request = json_format.ParseDict(body, CreateChatCompletionRequest())
+            list(grpc_stub.CreateChatCompletion(request, metadata=GRPC_AUTH, timeout=60))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert images.total() == 0
+    finally:
+        images.stop()

@@ -13,6 +13,8 @@ class CallRecord(Protocol):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int  # prompt tokens found in the engine's prefix cache
+    images: int  # images in the prompt
+    image_tokens: int  # the prompt tokens they take (counted in prompt_tokens too)
 
     def tokenized(self, prompt_tokens: int) -> None:
         """The prompt's tokens, as soon as they are known (a tenant's limits charge them)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -53,7 +53,7 @@ from service.api.chat_requests import chat_constraint_field, validate_chat_reque
 from service.api.endpoint_models import adapter_for_call, check_served
 from service.api.errors import PriorityNotEnabledError
 from service.api.media.connector import use_guarded_fetcher
-from service.api.media.parts import MediaPolicy
+from service.api.media.parts import MediaPolicy, image_counts
 from service.model.engine import ServedModel
 from service.settings import ChatSettings, RequestLimits
 
@@ -92,9 +92,10 @@ def check_chat_settings(settings: ChatSettings) -> None:
 CALL_ADAPTER: contextvars.ContextVar[LoRARequest | None] = contextvars.ContextVar(
     "chat_adapter", default=None
 )
-# Told the prompt's token count as soon as vLLM's serving has rendered and tokenized it.
-CALL_TOKENIZED: contextvars.ContextVar[Callable[[int], None] | None] = contextvars.ContextVar(
-    "chat_tokenized", default=None
+# The current chat call's record: told the prompt's token count (and its images) as soon as
+# vLLM's serving has rendered and tokenized it.
+CALL_RECORD: contextvars.ContextVar[CallRecord | None] = contextvars.ContextVar(
+    "chat_record", default=None
 )
 
 
@@ -115,9 +116,10 @@ class CatalogChat(OpenAIServingChat):
     ) -> None:
         # Called once the conversation is tokenized, before the engine gets it.
         super()._log_inputs(request_id, inputs, params=params, lora_request=lora_request)
-        told = CALL_TOKENIZED.get()
-        if told is not None:
-            told(len(self._extract_prompt_components(inputs).token_ids or ()))
+        record = CALL_RECORD.get()
+        if record is not None:
+            record.images, record.image_tokens = image_counts(inputs)
+            record.tokenized(len(self._extract_prompt_components(inputs).token_ids or ()))
 
     def _raise_if_error(self, finish_reason: str | None, request_id: str) -> None:
         constraint = CALL_CONSTRAINT.get()
@@ -200,7 +202,7 @@ class ChatHandler:
         if adapter is not None:
             annotate_call(**{"llm_completions.adapter": adapter.lora_name})
         CALL_ADAPTER.set(adapter)
-        CALL_TOKENIZED.set(record.tokenized)  # a tenant's limits charge the prompt at once
+        CALL_RECORD.set(record)  # a tenant's limits charge the prompt at once
         call.engine_prefix = f"{VLLM_CHAT_ID_PREFIX}{engine_request.request_id}"
         call.check()
         timed = self.always_metrics or request.return_metrics

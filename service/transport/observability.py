@@ -94,6 +94,12 @@ CACHED_PROMPT_TOKENS = Counter(
     "Prompt tokens of served requests found in the engine's prefix cache, by tenant",
     ["tenant"],
 )
+IMAGES = Counter("llmcompletions_images", "Images in served chat requests, by tenant", ["tenant"])
+IMAGE_TOKENS = Counter(
+    "llmcompletions_image_tokens",
+    "Prompt tokens the images of served chat requests take (in prompt_tokens too), by tenant",
+    ["tenant"],
+)
 COMPLETION_TOKENS = Counter(
     "llmcompletions_completion_tokens",
     "Completion tokens generated for served requests, by tenant",
@@ -232,6 +238,8 @@ class RequestRecord:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    images: int = 0
+    image_tokens: int = 0
     prompts: list[str] | None = None  # only kept when prompts are logged
     output: str = ""
 
@@ -269,6 +277,9 @@ class RequestRecord:
         PROMPT_TOKENS.labels(self.tenant).inc(self.prompt_tokens)
         CACHED_PROMPT_TOKENS.labels(self.tenant).inc(self.cached_tokens)
         COMPLETION_TOKENS.labels(self.tenant).inc(self.completion_tokens)
+        if self.images:
+            IMAGES.labels(self.tenant).inc(self.images)
+            IMAGE_TOKENS.labels(self.tenant).inc(self.image_tokens)
         fields: dict[str, Any] = {
             "request_id": self.request_id,
             "model": self.model,
@@ -280,6 +291,8 @@ class RequestRecord:
             "latency_s": round(latency, 4),
             "status": code,
         }
+        if self.images:
+            fields.update(images=self.images, image_tokens=self.image_tokens)
         if self.tenant:
             fields.update(tenant=self.tenant, key_id=self.key_id)
         if self.trace_id:

@@ -6,7 +6,7 @@ image as its bytes) as the content parts vLLM renders."""
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,3 +138,11 @@ def check_image_url(url: str | None, rules: HostRules, loc: Loc, found: Violatio
         checked_url(url, rules)
     except MediaRefusedError as refusal:
         found.add((*loc, "image_url"), str(refusal.args[0]))
+
+
+def image_counts(engine_input: Mapping[str, Any]) -> tuple[int, int]:
+    """A rendered prompt's images, and the prompt tokens they take (their placeholders with
+    the markers around them, as the prompt's token count has them)."""
+    placeholders = engine_input.get("mm_placeholders") or {}
+    images = placeholders.get("image", ())
+    return len(images), sum(placeholder.length for placeholder in images)
