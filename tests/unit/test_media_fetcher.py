@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import io
 import ipaddress
 import os
@@ -136,12 +137,11 @@ def loopback() -> Iterator[Loopback]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.0"  # the connection closes after each response
 
-        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        def do_GET(self) -> None:
             requests[self.path] += 1
-            try:
+            # The client may stop reading, as it should for an oversized body.
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                 self.answer()
-            except (BrokenPipeError, ConnectionResetError):
-                pass  # the client stopped reading, as it should for an oversized body
 
         def answer(self) -> None:
             if self.path == "/x.png":
@@ -184,7 +184,7 @@ def loopback() -> Iterator[Loopback]:
             pass
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, args=(0.02,), daemon=True)
     thread.start()
     try:
         yield Loopback(server.server_address[1], requests, release)
@@ -229,6 +229,8 @@ def closed_port() -> int:
         "64:ff9b::a00:1",  # NAT64 of 10.0.0.1
         "64:ff9b::7f00:1",  # NAT64 of 127.0.0.1
         "2002:7f00:1::",  # 6to4 of 127.0.0.1
+        "::7f00:1",  # IPv4-compatible (deprecated) form of 127.0.0.1
+        "fec0::1",  # site-local (deprecated)
         "ff02::1",
     ],
 )
@@ -237,13 +239,33 @@ def test_internal_and_special_addresses_are_not_public(address: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "address", ["8.8.8.8", "1.1.1.1", "2606:4700:4700::1111", "::ffff:8.8.8.8", "64:ff9b::808:808"]
+    "address",
+    [
+        "8.8.8.8",
+        "1.1.1.1",
+        "2606:4700:4700::1111",
+        "::ffff:8.8.8.8",
+        "64:ff9b::808:808",  # NAT64 of 8.8.8.8
+        "2002:808:808::",  # 6to4 of 8.8.8.8
+    ],
 )
 def test_globally_routable_addresses_are_public(address: str) -> None:
     assert is_public(ipaddress.ip_address(address)) is True
 
 
-@pytest.mark.parametrize("host", ["127.0.0.1", "10.0.0.7", "169.254.169.254", "[::1]", "::1"])
+@pytest.mark.parametrize(
+    "host",
+    [
+        "127.0.0.1",
+        "10.0.0.7",
+        "169.254.169.254",
+        "[::1]",
+        "::1",
+        "127.1",
+        "2130706433",
+        "0177.0.0.1",
+    ],
+)
 def test_private_address_literals_are_refused_without_an_allowlist(host: str) -> None:
     error = refusal(lambda: HostRules().check_host(host))
     assert "not a public address" in message(error)
@@ -261,7 +283,9 @@ def test_a_host_off_the_allowlist_is_refused_whatever_it_is(host: str) -> None:
     assert "images.example.com" in message(error) and "--allowed-media-domains" in message(error)
 
 
-@pytest.mark.parametrize("host", ["images.internal", "IMAGES.Internal", "images.internal.", "10.0.0.7"])
+@pytest.mark.parametrize(
+    "host", ["images.internal", "IMAGES.Internal", "images.internal.", "10.0.0.7"]
+)
 def test_a_host_on_the_allowlist_passes_even_if_private(host: str) -> None:
     HostRules.from_domains(["Images.Internal.", "10.0.0.7"]).check_host(host)
 
@@ -465,7 +489,9 @@ def test_the_sync_load_works_from_sync_code_and_inside_a_running_loop(loopback: 
         assert connector.load_from_url(source, ImageMediaIO()).media.size == IMAGE_SIZE
 
     async def inside_a_loop() -> list[tuple[int, int]]:
-        return [connector.load_from_url(source, ImageMediaIO()).media.size for source in (DATA_URL, url)]
+        return [
+            connector.load_from_url(source, ImageMediaIO()).media.size for source in (DATA_URL, url)
+        ]
 
     assert asyncio.run(inside_a_loop()) == [IMAGE_SIZE, IMAGE_SIZE]
     assert loopback.requests["/x.png"] == 2
@@ -528,7 +554,10 @@ def test_images_past_the_limit_are_one_violation_at_the_first_extra() -> None:
     [violation] = violations(conversation, VLM)
     assert violation.loc == ("messages", 0, "content", 2)
     assert "at most 2 images" in violation.msg
-    assert len(violations(messages({"role": "user", "content": [image_part(DATA_URL)] * 2}), VLM)) == 0
+    four = messages({"role": "user", "content": [image_part(DATA_URL)] * 4})
+    assert [v.loc for v in violations(four, VLM)] == [("messages", 0, "content", 2)]
+    two = messages({"role": "user", "content": [image_part(DATA_URL)] * 2})
+    assert violations(two, VLM) == []
 
 
 def test_a_caller_chosen_uuid_is_a_violation() -> None:
@@ -581,7 +610,10 @@ def test_typed_image_parts_count_as_images_located_under_parts() -> None:
 def test_message_content_turns_typed_parts_into_vllms_content_parts() -> None:
     encoded = base64.b64encode(PNG).decode("ascii")
     [typed] = messages(
-        {"role": "user", "parts": [{"text": "Look"}, {"image": {"data": encoded, "mime_type": "image/png"}}]}
+        {
+            "role": "user",
+            "parts": [{"text": "Look"}, {"image": {"data": encoded, "mime_type": "image/png"}}],
+        }
     )
     text, image = message_content(typed)
     assert text == {"type": "text", "text": "Look"}

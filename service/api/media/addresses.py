@@ -68,9 +68,15 @@ class HostRules:
 
 
 def address_literal(host: str) -> IpAddress | None:
+    """The address a host names literally, the shorthand IPv4 forms too (127.1, 2130706433,
+    0177.0.0.1), which the C library's parser takes as addresses."""
     try:
         return ipaddress.ip_address(host)
     except ValueError:
+        pass
+    try:
+        return ipaddress.IPv4Address(socket.inet_aton(host))
+    except OSError:
         return None
 
 
@@ -81,14 +87,16 @@ def reached_address(address: IpAddress) -> IpAddress:
             return address.ipv4_mapped
         if address.sixtofour is not None:
             return address.sixtofour
-        if any(address in prefix for prefix in NAT64_PREFIXES):
+        if any(address in prefix for prefix in NAT64_PREFIXES) or int(address) >> 32 == 0:
+            # NAT64, or the deprecated IPv4-compatible form (::127.0.0.1)
             return ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
     return address
 
 
 def is_public(address: IpAddress) -> bool:
     reached = reached_address(address)
-    return reached.is_global and not (reached.is_multicast or reached.is_unspecified)
+    site_local = isinstance(reached, ipaddress.IPv6Address) and reached.is_site_local
+    return reached.is_global and not (reached.is_multicast or reached.is_unspecified or site_local)
 
 
 def check_public(address: IpAddress, host: str) -> None:
