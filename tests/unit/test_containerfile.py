@@ -220,6 +220,20 @@ def test_the_build_copies_every_package_the_project_installs() -> None:
     assert needed | {"requirements", "clients/python", "image"} <= copied
 
 
+def test_the_install_lists_every_package_of_the_source_tree() -> None:
+    """setuptools installs only the packages pyproject.toml lists: a sub-package left out is
+    missing from the image (and any non-editable install), while the editable checkout works."""
+    (listed,) = re.findall(r"^packages = \[(.*)\]$", PYPROJECT, re.M)
+    packages = set(re.findall(r'"([^"]+)"', listed))
+    roots = {name.split(".")[0] for name in packages}
+    found = {
+        ".".join(init.parent.relative_to(ROOT).parts)
+        for root in roots
+        for init in (ROOT / root).rglob("__init__.py")
+    }
+    assert found == packages
+
+
 def copied_by(path: str, sources: list[str]) -> bool:
     """Whether a COPY of these sources brings the path (itself, or a directory above it)."""
     return any(path == s.rstrip("/") or path.startswith(s.rstrip("/") + "/") for s in sources)
