@@ -51,12 +51,24 @@ serve: install
 
 # Unit tests first (seconds); a failure there stops before the stack starts. The slowest tests
 # are listed at the end, to keep the suite's time in view.
-test: install checkov lint
+test: install checkov llmengine lint
 	$(BIN)/python -m pytest -q $(UNIT_PARALLEL) $(UNIT_TESTS)
 	$(BIN)/python -m tests.shards --durations=15
 
 unit: install checkov lint
 	$(BIN)/python -m pytest -q $(UNIT_PARALLEL) $(UNIT_TESTS)
+
+# LLM Engine's own client, for the batch API's test with it (tests/test_batch_llm_engine.py), in
+# a venv of its own: it pins openai<2, vLLM's install has openai 3.
+LLMENGINE_VENV := $(VENV)/tools/llmengine
+.PHONY: llmengine
+llmengine: $(LLMENGINE_VENV)/.installed
+
+$(LLMENGINE_VENV)/.installed: requirements/llmengine.txt
+	$(PYTHON) -m venv $(LLMENGINE_VENV)
+	$(LLMENGINE_VENV)/bin/pip install --quiet --upgrade pip
+	$(LLMENGINE_VENV)/bin/pip install --quiet -r requirements/llmengine.txt
+	touch $@
 
 # checkov, for the Kubernetes checks of deploy/ (tests/unit/test_manifests.py), in a venv of
 # its own: its pins (packaging<24) conflict with the project's (pytest 9), so it cannot be a

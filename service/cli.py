@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from plumbing.lifetime import exit_now
 from service import __version__
 from service.options import (
+    add_batch_options,
     add_chat_options,
     add_engine_options,
     add_limit_options,
@@ -66,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_transport_options(serve)
     add_chat_options(serve)
     add_media_options(serve)
+    add_batch_options(serve)
     add_engine_options(serve)
     commands.add_parser("prepare-model", help="convert the embedded default model into the cache")
     tenants = commands.add_parser("tenants", help="the tenants file's tools")

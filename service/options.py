@@ -30,6 +30,7 @@ from service.model.default_model import DEFAULT_SERVED_MODEL_NAME
 from service.model.placement import PlacementError, available_cores, parse_core_list
 from service.settings import (
     DEFAULT_IMAGES_PER_PROMPT,
+    BatchSettings,
     ChatSettings,
     EngineSettings,
     KeepaliveSettings,
@@ -37,6 +38,7 @@ from service.settings import (
     MediaSettings,
     RequestLimits,
     ServerSettings,
+    default_batch_root,
 )
 
 # The service's name in traces, unless OTEL_SERVICE_NAME names it.
@@ -706,6 +708,44 @@ def add_media_options(serve: argparse.ArgumentParser) -> None:
     )
 
 
+def add_batch_options(serve: argparse.ArgumentParser) -> None:
+    """Offline jobs (POST /v2/batch-completions): where their files may be, how large."""
+    defaults = BatchSettings(default_batch_root())
+    add_option(
+        serve,
+        "--batch-root",
+        "BATCH_ROOT",
+        defaults.root,
+        "batch jobs' input and output files must lie inside this directory (their durable "
+        "records are kept in it too)",
+        Path,
+    )
+    add_option(
+        serve,
+        "--batch-max-lines",
+        "BATCH_MAX_LINES",
+        defaults.max_lines,
+        "requests one batch job may hold",
+        positive_int,
+    )
+    add_option(
+        serve,
+        "--batch-max-input-bytes",
+        "BATCH_MAX_INPUT_BYTES",
+        defaults.max_input_bytes,
+        "bytes a batch job's input file may have",
+        positive_int,
+    )
+
+
+def batch_settings(args: argparse.Namespace) -> BatchSettings:
+    return BatchSettings(
+        root=args.batch_root.expanduser(),
+        max_lines=args.batch_max_lines,
+        max_input_bytes=args.batch_max_input_bytes,
+    )
+
+
 def add_transport_options(serve: argparse.ArgumentParser) -> None:
     """Keepalive and TLS on the gRPC listener."""
     keepalive = KeepaliveSettings()
@@ -847,6 +887,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         ),
         tls=tls_settings(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file),
         chat=chat_settings(args),
+        batch=batch_settings(args),
         tracing=tracing_settings(args.otlp_traces_endpoint, DEFAULT_TRACING_NAME),
     )
 

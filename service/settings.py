@@ -143,6 +143,23 @@ class ChatSettings:
 
 
 @dataclass(frozen=True)
+class BatchSettings:
+    """Offline jobs (service.api.batch): the only directory their files may be in (their
+    records are kept there too), and the size of one job."""
+
+    root: Path
+    max_lines: int = 50_000
+    max_input_bytes: int = 256 * 1024 * 1024
+
+
+def default_batch_root() -> Path:
+    """The batch root when none is given: beside the prepared models."""
+    from service.model.default_model import cache_root
+
+    return cache_root() / "batch"
+
+
+@dataclass(frozen=True)
 class ServerSettings:
     """Where and how the gRPC server listens."""
 
@@ -172,6 +189,7 @@ class ServerSettings:
     # `port` (shared, SO_REUSEPORT) and on its own port, by default the ones after `port`.
     api_server_count: int = 1
     frontend_ports: tuple[int, ...] = ()
+    batch: BatchSettings = field(default_factory=lambda: BatchSettings(default_batch_root()))
 
     def own_ports(self) -> tuple[int, ...]:
         """Each frontend's own port: as given, else the `api_server_count` after `port`."""

@@ -128,6 +128,7 @@ LATE_MODULES = (
 # Fixtures that hand out a shared engine, and the engine.
 SHARED_FIXTURES = {
     "stack": "main",
+    "batch_root": "main",
     "vllm_server": "vllm",
     "lora_stack": "lora",
     "vllm_lora_server": "vllm-lora",
@@ -167,6 +168,7 @@ class ReadyStack:
     stack: TestStack
     with_envoy: bool = True
     redis: RedisServer | None = None  # the tenants' limits store it uses, if any
+    batch_root: Path | None = None  # where its batch jobs' files may be
 
     def wait_ready(self) -> None:
         if self.with_envoy:
@@ -257,6 +259,8 @@ def start_main(logs: Path) -> Engine:
     tenants = logs / "tenants.yaml"
     tenants.write_text(tenants_yaml())
     redis = start_redis(logs / "redis.log")  # the tenants' windows, as a fleet shares them
+    batch_root = logs / "batch-root"
+    batch_root.mkdir()
     stack = on_free_ports(
         "main",
         [
@@ -267,12 +271,13 @@ def start_main(logs: Path) -> Engine:
             *("--keepalive-time", str(SERVER_KEEPALIVE_SECONDS)),
             *("--keepalive-timeout", str(SERVER_KEEPALIVE_SECONDS)),
             *CHAT_FLAGS,
+            *("--batch-root", str(batch_root)),
         ],
         logs / "service.log",
         service_module="tests.fault_injection",  # the real engine, failing on request
     )
     stack.start()
-    return ReadyStack(stack, redis=redis)
+    return ReadyStack(stack, redis=redis, batch_root=batch_root)
 
 
 def start_vllm(model_dir: Path) -> Engine:
@@ -558,6 +563,14 @@ def limits_redis(request: pytest.FixtureRequest) -> RedisServer:
     engine = shared(request, "main")
     assert isinstance(engine, ReadyStack) and engine.redis is not None
     return engine.redis
+
+
+@pytest.fixture(scope="session")
+def batch_root(request: pytest.FixtureRequest) -> Path:
+    """The default stack's batch root."""
+    engine = shared(request, "main")
+    assert isinstance(engine, ReadyStack) and engine.batch_root is not None
+    return engine.batch_root
 
 
 @pytest.fixture(scope="session")

@@ -33,6 +33,7 @@ SHARD_ENV = "TEST_SHARD"
 # later: stack 13.5, fleet 13.9 with the command line's and the manifests' modules (which start
 # no engine) in "fleet"; they run in "stack" since. Every other module runs in "stack".
 FLEET_MODULES = (
+    "test_batch_resume.py",
     "test_capacity.py",
     "test_engine_death.py",
     "test_engine_lifetime.py",

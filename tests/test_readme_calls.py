@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from tests.conftest import API_KEY
@@ -56,7 +57,7 @@ def run(command: str) -> str:
 
 def test_the_readme_calls_every_surface() -> None:
     """The blocks this module runs are there (a rewrite of the README fails here first)."""
-    assert [language for language, _ in BLOCKS] == ["sh", "python", "sh", "sh"]
+    assert [language for language, _ in BLOCKS] == ["sh", "python", "sh", "sh", "sh"]
 
 
 def test_curl_completes_plainly_and_streamed(stack: TestStack) -> None:
@@ -106,6 +107,20 @@ def test_curl_chats(stack: TestStack) -> None:
     reply = json.loads(run(on_the_stack(chat, stack.base_url, stack.grpc_target)))
     assert reply["object"] == "chat.completion"
     assert "Paris" in reply["choices"][0]["message"]["content"]
+
+
+def test_curl_creates_a_batch_job_that_completes(stack: TestStack, batch_root: Path) -> None:
+    (create,) = commands(block("sh", "curl -s http://127.0.0.1:8080/v2/batch-completions"))
+    job = json.loads(run(on_the_stack(create, stack.base_url, stack.grpc_target)))
+    assert job["status"] in ("queued", "running")
+    deadline = time.monotonic() + TIMEOUT
+    while job["status"] not in ("completed", "failed") and time.monotonic() < deadline:
+        time.sleep(0.5)
+        read = f"curl -s http://127.0.0.1:8080/v2/batch-completions/{job['job_id']}"
+        job = json.loads(run(on_the_stack(read, stack.base_url, stack.grpc_target)))["job"]
+    assert job["status"] == "completed"
+    (answer,) = json.loads((batch_root / job["output_data_path"]).read_text())
+    assert answer["choices"][0]["text"].startswith(" Paris")
 
 
 def test_a_command_gets_the_stacks_ports_and_key() -> None:

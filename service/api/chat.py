@@ -230,11 +230,16 @@ class ChatHandler:
                 )
 
     def validate(self, request: CreateChatCompletionRequest) -> None:
+        self.check(request)
+        check_served(self.model.adapters, request.model)  # 404 unless served
+        self.backlog.check(request.n if request.HasField("n") else 1)
+
+    def check(self, request: CreateChatCompletionRequest) -> None:
+        """Whether the request's fields pass the API's rules and its priority can be honoured
+        (what a batch job's lines are checked by when the job is created, too)."""
         self.check_request(request)
         if request.priority and self.model.scheduling_policy != "priority":
             raise PriorityNotEnabledError(request.priority)
-        check_served(self.model.adapters, request.model)  # 404 unless served
-        self.backlog.check(request.n if request.HasField("n") else 1)
 
     def check_request(self, request: CreateChatCompletionRequest) -> None:
         validate_chat_request(

@@ -41,7 +41,7 @@ from service.api.errors import (
     PriorityNotEnabledError,
     TruncationTooLongError,
 )
-from service.api.prompts import PreparedPrompt, prepare_prompts, truncated
+from service.api.prompts import PreparedPrompt, PromptInput, prepare_prompts, truncated
 from service.api.responses import (
     ChoicePlan,
     EngineSlot,
@@ -167,17 +167,23 @@ class CompletionHandler:
             finally:
                 await self.model.engine.abort([slot.request_id for slot in slots])  # no-op if done
 
+    def check(self, request: CreateCompletionRequest) -> list[PromptInput]:
+        """The request's prompts, if its fields pass the API's rules and its priority can be
+        honoured (what a batch job's lines are checked by when the job is created, too)."""
+        prompts = validate_request(
+            request, self.model.vocab_size, self.model.structured_outputs_backend, self.limits
+        )
+        if request.priority and self.model.scheduling_policy != "priority":
+            raise PriorityNotEnabledError(request.priority)
+        return prompts
+
     async def prepare(
         self, request: CreateCompletionRequest, call: CancellableCall
     ) -> tuple[list[PreparedPrompt], LoRARequest | None]:
         """The request validated and its prompts tokenized (truncated as asked), each checked
         against the limits and the context; and the adapter its model names, if any (held by
         `call`)."""
-        prompts = validate_request(
-            request, self.model.vocab_size, self.model.structured_outputs_backend, self.limits
-        )
-        if request.priority and self.model.scheduling_policy != "priority":
-            raise PriorityNotEnabledError(request.priority)
+        prompts = self.check(request)
         # 404 for a model not served
         adapter = await adapter_for_call(self.model.adapters, request.model, call)
         add_special_tokens = (

@@ -127,6 +127,14 @@ class TenantTable:
                 found = caller
         return found
 
+    def of(self, tenant: str, key_id: str) -> Caller | None:
+        """The tenant's caller by key id (else by any key of the tenant's): a batch job's
+        lines run as the key that created it."""
+        mine = [caller for _, caller in self.callers if caller.tenant == tenant]
+        return next((caller for caller in mine if caller.key_id == key_id), None) or (
+            mine[0] if mine else None
+        )
+
 
 def parse_tenants(text: str, source: str) -> TenantTable:
     """The table a tenants file's text describes; TenantsFileError naming what is wrong."""

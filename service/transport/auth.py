@@ -7,6 +7,8 @@ digest of the key) that may reach every model; with both set, both kinds of key 
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import hmac
 from collections.abc import AsyncIterator
@@ -14,9 +16,11 @@ from collections.abc import AsyncIterator
 import grpc
 from google.protobuf.message import Message
 
+from service.api.batch.runner import Owner
 from service.api.errors import CompletionError
-from service.api.tenants import bind_caller, unbind_caller
+from service.api.tenants import Caller, bind_caller, unbind_caller
 from service.settings import ServerSettings
+from service.transport.batch_lines import line_owner
 from service.transport.error_mapping import abort_with
 from service.transport.interception import StreamBehaviour, StreamInterceptor
 from service.transport.observability import AUTH_FAILURES
@@ -24,6 +28,8 @@ from service.transport.request_context import current_record
 from service.transport.tenants_file import TenantsFile
 
 BEARER = "bearer "
+BASIC = "basic "
+API_KEY_HEADER = "x-api-key"
 
 
 class UnauthenticatedError(CompletionError):
@@ -39,10 +45,28 @@ def split_keys(keys: str | None) -> tuple[str, ...]:
 
 
 def presented_key(metadata: tuple[tuple[str, str | bytes], ...]) -> str | None:
+    """The key a call presents: `Authorization: Bearer <key>`, or as LLM Engine's clients
+    send it, `Authorization: Basic base64(<key>:)` (the key as the user name) or
+    `x-api-key: <key>`."""
     for key, value in metadata:
-        if key == "authorization" and isinstance(value, str) and value.lower().startswith(BEARER):
+        if key != "authorization" or not isinstance(value, str):
+            continue
+        if value.lower().startswith(BEARER):
             return value[len(BEARER) :].strip()
-    return None
+        if value.lower().startswith(BASIC):
+            return basic_user(value[len(BASIC) :].strip())
+    api_key = next((value for key, value in metadata if key == API_KEY_HEADER), None)
+    return api_key.strip() if isinstance(api_key, str) and api_key.strip() else None
+
+
+def basic_user(credentials: str) -> str | None:
+    """The user name of HTTP basic credentials (LLM Engine's key), else None."""
+    try:
+        decoded = base64.b64decode(credentials, validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    user = decoded.partition(":")[0].strip()
+    return user or None
 
 
 def principal_of(key: str) -> str:
@@ -81,9 +105,20 @@ class ApiKeyInterceptor(StreamInterceptor):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[Message]:
         metadata = tuple(context.invocation_metadata() or ())
+        record = current_record()
+        owner = line_owner(metadata)
+        if owner is not None:  # a batch job's line, run for the job's owner
+            caller = await self.owners_caller(owner, context)
+            record.principal, record.tenant, record.key_id = (
+                owner.principal,
+                owner.tenant,
+                owner.key_id,
+            )
+            async for message in self.as_caller(caller, inner, request, context):
+                yield message
+            return
         presented = presented_key(metadata)
         caller = None if self._tenants is None else self._tenants.table.find(presented)
-        record = current_record()
         if caller is not None:
             record.principal = f"tenant-{caller.tenant}"
             record.tenant, record.key_id = caller.tenant, caller.key_id
@@ -98,12 +133,38 @@ class ApiKeyInterceptor(StreamInterceptor):
                     ),
                 )
             record.principal = principal_of(str(key))
+        async for message in self.as_caller(caller, inner, request, context):
+            yield message
+
+    async def as_caller(
+        self,
+        caller: Caller | None,
+        inner: StreamBehaviour,
+        request: Message,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[Message]:
         token = bind_caller(caller)
         try:
             async for message in inner(request, context):
                 yield message
         finally:
             unbind_caller(token)
+
+    async def owners_caller(self, owner: Owner, context: grpc.aio.ServicerContext) -> Caller | None:
+        """The tenant a job's owner called as (its key, else another key of the tenant)."""
+        if not owner.tenant:
+            return None
+        caller = (
+            None if self._tenants is None else self._tenants.table.of(owner.tenant, owner.key_id)
+        )
+        if caller is None:
+            await abort_with(
+                context,
+                UnauthenticatedError(
+                    f"the job's tenant {owner.tenant!r} is no longer in the tenants file"
+                ),
+            )
+        return caller
 
 
 class OperatorKeyInterceptor(StreamInterceptor):

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import signal
+import tempfile
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from pathlib import Path
 
 import grpc
 import uvloop
+from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from llmcompletions.v2 import completions_pb2, completions_pb2_grpc
@@ -21,9 +25,14 @@ from plumbing.tls import server_credentials
 from plumbing.tracing import flush_tracing, start_tracing
 from service.api.adapter_admin import AdapterAdmin
 from service.api.backlog import Backlog, ReplicaTally
+from service.api.batch.job_request import EngineFacts
+from service.api.batch.jobs import BatchJobs
+from service.api.batch.runner import Runner
+from service.api.batch.store import JobStore
 from service.api.cancellation import Cancellations
 from service.api.chat import ChatHandler
 from service.api.completions import CompletionHandler
+from service.api.endpoint_models import check_served
 from service.api.model_listing import ModelListing
 from service.api.rate_limits import TenantLimits
 from service.api.tokenization import Tokenization
@@ -33,8 +42,10 @@ from service.model.engine import ServedModel, start_engine
 from service.model.in_core_worker import may_run_worker_in_core
 from service.model.load import LoadSnapshot
 from service.model.standby_core import ENGINE_CORE_MODULES, Standby, stand_by
-from service.settings import EngineSettings, ServerSettings
+from service.settings import BatchSettings, EngineSettings, ServerSettings
 from service.transport.auth import ApiKeyInterceptor, OperatorKeyInterceptor
+from service.transport.batch_lines import GrpcLineCaller
+from service.transport.batch_servicer import BatchServicer
 from service.transport.error_mapping import ErrorMappingInterceptor
 from service.transport.frontend import FrontendRole
 from service.transport.interception import StreamInterceptor
@@ -57,13 +68,18 @@ logger = logging.getLogger(__name__)
 
 SERVICE_DESCRIPTOR = completions_pb2.DESCRIPTOR.services_by_name["CompletionService"]
 COMPLETION_SERVICE = SERVICE_DESCRIPTOR.full_name
+BATCH_DESCRIPTOR = completions_pb2.DESCRIPTOR.services_by_name["BatchCompletionService"]
+BATCH_SERVICE = BATCH_DESCRIPTOR.full_name
 
 
-def method_names(*names: str) -> frozenset[str]:
-    return frozenset(f"/{COMPLETION_SERVICE}/{name}" for name in names)
+def method_names(*names: str, service: str = COMPLETION_SERVICE) -> frozenset[str]:
+    return frozenset(f"/{service}/{name}" for name in names)
 
 
-ALL_METHODS = method_names(*(method.name for method in SERVICE_DESCRIPTOR.methods))
+BATCH_METHODS = method_names(
+    *(method.name for method in BATCH_DESCRIPTOR.methods), service=BATCH_SERVICE
+)
+ALL_METHODS = method_names(*(method.name for method in SERVICE_DESCRIPTOR.methods)) | BATCH_METHODS
 # The calls that do work (a drain waits for them); describing the models is cheap.
 WORKING_METHODS = method_names("CreateCompletion", "CreateChatCompletion", "Tokenize", "Detokenize")
 # The operator's calls: only an operator key may make them.
@@ -71,6 +87,10 @@ ADAPTER_METHODS = method_names("LoadLoraAdapter", "UnloadLoraAdapter")
 # The calls a tenant's limits count (and whose tokens they charge).
 LIMITED_METHODS = method_names("CreateCompletion", "CreateChatCompletion")
 ENGINE_CHECK_SECONDS = 1.0
+# Batch lines run after every interactive call (vLLM runs lower priorities first) ...
+BATCH_PRIORITY = 2**31 - 1
+# ... and at most this share of the engine's batch of them at once.
+BATCH_WINDOW_SHARE = 4
 # A drain takes the completion calls in flight as finished once none has run for this long,
 # so that a call the server accepted just before closing its listener is counted too.
 QUIET_SECONDS = 0.1
@@ -126,6 +146,9 @@ class ServiceState:
         self.serving: Serving | None = None
         self.model: ServedModel | None = None
         self.tenants = tenants  # the tenants file, followed while serving
+        self.batch: BatchJobs | None = None
+        # This process's own socket, for its batch jobs' lines (service.transport.batch_lines).
+        self.line_socket = str(Path(tempfile.mkdtemp(prefix="llmc-lines-")) / "lines.sock")
 
     def load(self) -> LoadSnapshot | None:
         """The engine's load now, for the replies' load reports."""
@@ -180,11 +203,15 @@ def build_server(
     completions_pb2_grpc.add_CompletionServiceServicer_to_server(
         CompletionServicer(lambda: state.serving, siblings), server
     )
+    completions_pb2_grpc.add_BatchCompletionServiceServicer_to_server(
+        BatchServicer(lambda: state.batch), server
+    )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        [COMPLETION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+        [COMPLETION_SERVICE, BATCH_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
+    server.add_insecure_port(f"unix:{state.line_socket}")
     for address in listening_addresses(settings, role):
         listen(server, address, settings)
     if role is not None:  # the other frontends' cancels, from this host only
@@ -227,6 +254,27 @@ def serving(
         model, settings_of.enable_adapter_loading, settings_of.adapter_drain_seconds
     )
     return Serving(completions, chat, ModelListing(model), tokenization, cancellations, admin)
+
+
+def batch_jobs(
+    model: ServedModel, serving: Serving, settings: BatchSettings, line_socket: str
+) -> BatchJobs:
+    """Batch jobs on this engine: their lines run through this process's own methods, a
+    quarter of the engine's batch at a time, at the lowest priority when it schedules by one."""
+    priority = BATCH_PRIORITY if model.scheduling_policy == "priority" else None
+    runner = Runner(
+        JobStore(settings.root),
+        GrpcLineCaller(line_socket, priority),
+        window=max(1, model.capacity.max_num_seqs // BATCH_WINDOW_SHARE),
+    )
+    engine = EngineFacts(model.max_model_len, model.engine.model_config.quantization)
+
+    def validate_line(kind: str, request: Message) -> None:
+        handler = serving.chat if kind == "chat" else serving.completions
+        handler.check(request)  # type: ignore[arg-type]
+        check_served(model.adapters, request.model)  # type: ignore[attr-defined]
+
+    return BatchJobs(settings, runner, engine, validate_line)
 
 
 async def set_health(health_servicer: health.aio.HealthServicer, status: int) -> None:
@@ -315,8 +363,11 @@ async def serve(
         # config, the tokenizer, the modules) leave the garbage collector's generations, so
         # its collections while serving walk only what requests allocate.
         freeze_gc_heap()
+        state.batch = batch_jobs(model, state.serving, server_settings.batch, state.line_socket)
         await set_health(health_servicer, SERVING)
         logger.info("serving model %s", model.name)
+        if resumed := state.batch.resume():
+            logger.info("resuming %d unfinished batch jobs", resumed)
         if await until_stopped_or_engine_dead(model, stopping):
             logger.error("the engine died: refusing new requests and exiting for a restart")
             state.serving = None
@@ -328,6 +379,8 @@ async def serve(
         len(calls.tasks),
     )
     await set_health(health_servicer, NOT_SERVING)
+    if state.batch is not None:  # their lines in flight run again at the next start
+        await state.batch.runner.stop_all()
     if exit_code == 0 and server_settings.drain_delay_seconds > 0:
         # Keep serving while load balancers' health checks see NOT_SERVING and stop sending.
         await asyncio.sleep(server_settings.drain_delay_seconds)
@@ -339,6 +392,7 @@ async def serve(
         model.engine.shutdown(timeout=server_settings.engine_stop_seconds)
     if server_settings.tracing is not None:
         flush_tracing()
+    shutil.rmtree(Path(state.line_socket).parent, ignore_errors=True)
     logger.info("stopped")
     return exit_code
 

@@ -700,3 +700,151 @@ class StreamErrorContent(_message.Message):
     error: str
     timestamp: str
     def __init__(self, error: _Optional[str] = ..., timestamp: _Optional[str] = ...) -> None: ...
+
+class CreateBatchCompletionRequest(_message.Message):
+    __slots__ = ("output_data_path", "input_data_path", "content", "model_config", "labels", "max_runtime_sec", "priority", "data_parallelism", "tool_config", "cpus", "gpus", "memory", "gpu_type", "storage", "nodes_per_worker")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    OUTPUT_DATA_PATH_FIELD_NUMBER: _ClassVar[int]
+    INPUT_DATA_PATH_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_RUNTIME_SEC_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    DATA_PARALLELISM_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    CPUS_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    GPU_TYPE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_FIELD_NUMBER: _ClassVar[int]
+    NODES_PER_WORKER_FIELD_NUMBER: _ClassVar[int]
+    output_data_path: str
+    input_data_path: str
+    content: _struct_pb2.Value
+    model_config: _struct_pb2.Struct
+    labels: _containers.ScalarMap[str, str]
+    max_runtime_sec: int
+    priority: str
+    data_parallelism: int
+    tool_config: _struct_pb2.Value
+    cpus: _struct_pb2.Value
+    gpus: _struct_pb2.Value
+    memory: _struct_pb2.Value
+    gpu_type: _struct_pb2.Value
+    storage: _struct_pb2.Value
+    nodes_per_worker: _struct_pb2.Value
+    def __init__(self, output_data_path: _Optional[str] = ..., input_data_path: _Optional[str] = ..., content: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., model_config: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., max_runtime_sec: _Optional[int] = ..., priority: _Optional[str] = ..., data_parallelism: _Optional[int] = ..., tool_config: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., cpus: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., gpus: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., memory: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., gpu_type: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., storage: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., nodes_per_worker: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ...) -> None: ...
+
+class BatchCompletionJob(_message.Message):
+    __slots__ = ("job_id", "status", "input_data_path", "output_data_path", "model_config", "priority", "created_at", "expires_at", "completed_at", "metadata", "request_counts", "error")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_DATA_PATH_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_DATA_PATH_FIELD_NUMBER: _ClassVar[int]
+    MODEL_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_AT_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    status: str
+    input_data_path: str
+    output_data_path: str
+    model_config: _struct_pb2.Struct
+    priority: str
+    created_at: str
+    expires_at: str
+    completed_at: str
+    metadata: _containers.ScalarMap[str, str]
+    request_counts: BatchRequestCounts
+    error: str
+    def __init__(self, job_id: _Optional[str] = ..., status: _Optional[str] = ..., input_data_path: _Optional[str] = ..., output_data_path: _Optional[str] = ..., model_config: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., priority: _Optional[str] = ..., created_at: _Optional[str] = ..., expires_at: _Optional[str] = ..., completed_at: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., request_counts: _Optional[_Union[BatchRequestCounts, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+
+class BatchRequestCounts(_message.Message):
+    __slots__ = ("total", "completed", "failed")
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    total: int
+    completed: int
+    failed: int
+    def __init__(self, total: _Optional[int] = ..., completed: _Optional[int] = ..., failed: _Optional[int] = ...) -> None: ...
+
+class GetBatchCompletionRequest(_message.Message):
+    __slots__ = ("batch_completion_id",)
+    BATCH_COMPLETION_ID_FIELD_NUMBER: _ClassVar[int]
+    batch_completion_id: str
+    def __init__(self, batch_completion_id: _Optional[str] = ...) -> None: ...
+
+class GetBatchCompletionResponse(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: BatchCompletionJob
+    def __init__(self, job: _Optional[_Union[BatchCompletionJob, _Mapping]] = ...) -> None: ...
+
+class ListBatchCompletionsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListBatchCompletionsResponse(_message.Message):
+    __slots__ = ("jobs",)
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[BatchCompletionJob]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[BatchCompletionJob, _Mapping]]] = ...) -> None: ...
+
+class UpdateBatchCompletionRequest(_message.Message):
+    __slots__ = ("batch_completion_id", "job_id", "priority")
+    BATCH_COMPLETION_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    batch_completion_id: str
+    job_id: str
+    priority: str
+    def __init__(self, batch_completion_id: _Optional[str] = ..., job_id: _Optional[str] = ..., priority: _Optional[str] = ...) -> None: ...
+
+class UpdateBatchCompletionResponse(_message.Message):
+    __slots__ = ("job_id", "status", "priority", "success")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    status: str
+    priority: str
+    success: bool
+    def __init__(self, job_id: _Optional[str] = ..., status: _Optional[str] = ..., priority: _Optional[str] = ..., success: _Optional[bool] = ...) -> None: ...
+
+class CancelBatchCompletionRequest(_message.Message):
+    __slots__ = ("batch_completion_id",)
+    BATCH_COMPLETION_ID_FIELD_NUMBER: _ClassVar[int]
+    batch_completion_id: str
+    def __init__(self, batch_completion_id: _Optional[str] = ...) -> None: ...
+
+class CancelBatchCompletionResponse(_message.Message):
+    __slots__ = ("success",)
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    success: bool
+    def __init__(self, success: _Optional[bool] = ...) -> None: ...
+
+class WatchBatchCompletionRequest(_message.Message):
+    __slots__ = ("batch_completion_id",)
+    BATCH_COMPLETION_ID_FIELD_NUMBER: _ClassVar[int]
+    batch_completion_id: str
+    def __init__(self, batch_completion_id: _Optional[str] = ...) -> None: ...

@@ -477,3 +477,318 @@ class CompletionService:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class BatchCompletionServiceStub:
+    """Offline jobs: LLM Engine's v2 batch completions. A job's lines are
+    completion or chat requests, run on the replica that took the job through
+    the same path as CreateCompletion and CreateChatCompletion, below every
+    interactive call in priority; each finished line is durable at once, and a
+    replica that restarts resumes its unfinished jobs. A job is its creator's:
+    another caller gets NOT_FOUND for it.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.CreateBatchCompletion = channel.unary_unary(
+                '/llmcompletions.v2.BatchCompletionService/CreateBatchCompletion',
+                request_serializer=llmcompletions_dot_v2_dot_completions__pb2.CreateBatchCompletionRequest.SerializeToString,
+                response_deserializer=llmcompletions_dot_v2_dot_completions__pb2.BatchCompletionJob.FromString,
+                _registered_method=True)
+        self.GetBatchCompletion = channel.unary_unary(
+                '/llmcompletions.v2.BatchCompletionService/GetBatchCompletion',
+                request_serializer=llmcompletions_dot_v2_dot_completions__pb2.GetBatchCompletionRequest.SerializeToString,
+                response_deserializer=llmcompletions_dot_v2_dot_completions__pb2.GetBatchCompletionResponse.FromString,
+                _registered_method=True)
+        self.ListBatchCompletions = channel.unary_unary(
+                '/llmcompletions.v2.BatchCompletionService/ListBatchCompletions',
+                request_serializer=llmcompletions_dot_v2_dot_completions__pb2.ListBatchCompletionsRequest.SerializeToString,
+                response_deserializer=llmcompletions_dot_v2_dot_completions__pb2.ListBatchCompletionsResponse.FromString,
+                _registered_method=True)
+        self.UpdateBatchCompletion = channel.unary_unary(
+                '/llmcompletions.v2.BatchCompletionService/UpdateBatchCompletion',
+                request_serializer=llmcompletions_dot_v2_dot_completions__pb2.UpdateBatchCompletionRequest.SerializeToString,
+                response_deserializer=llmcompletions_dot_v2_dot_completions__pb2.UpdateBatchCompletionResponse.FromString,
+                _registered_method=True)
+        self.CancelBatchCompletion = channel.unary_unary(
+                '/llmcompletions.v2.BatchCompletionService/CancelBatchCompletion',
+                request_serializer=llmcompletions_dot_v2_dot_completions__pb2.CancelBatchCompletionRequest.SerializeToString,
+                response_deserializer=llmcompletions_dot_v2_dot_completions__pb2.CancelBatchCompletionResponse.FromString,
+                _registered_method=True)
+        self.WatchBatchCompletion = channel.unary_stream(
+                '/llmcompletions.v2.BatchCompletionService/WatchBatchCompletion',
+                request_serializer=llmcompletions_dot_v2_dot_completions__pb2.WatchBatchCompletionRequest.SerializeToString,
+                response_deserializer=llmcompletions_dot_v2_dot_completions__pb2.BatchCompletionJob.FromString,
+                _registered_method=True)
+
+
+class BatchCompletionServiceServicer:
+    """Offline jobs: LLM Engine's v2 batch completions. A job's lines are
+    completion or chat requests, run on the replica that took the job through
+    the same path as CreateCompletion and CreateChatCompletion, below every
+    interactive call in priority; each finished line is durable at once, and a
+    replica that restarts resumes its unfinished jobs. A job is its creator's:
+    another caller gets NOT_FOUND for it.
+    """
+
+    def CreateBatchCompletion(self, request, context):
+        """Creates a job; its lines are checked first (INVALID_ARGUMENT naming a
+        bad line's index and field).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetBatchCompletion(self, request, context):
+        """A job, as `{"job": ...}`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListBatchCompletions(self, request, context):
+        """The caller's own jobs, newest first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateBatchCompletion(self, request, context):
+        """Changes a job's priority (kept with the job; its lines run below
+        interactive calls whatever it says).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelBatchCompletion(self, request, context):
+        """Cancels a job: the lines in flight are stopped, the output file is
+        written with the lines that ran, and the job ends `cancelled`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchBatchCompletion(self, request, context):
+        """The job as it progresses: one message now, one each time it changes,
+        the last one with its final status; then the stream ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_BatchCompletionServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'CreateBatchCompletion': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateBatchCompletion,
+                    request_deserializer=llmcompletions_dot_v2_dot_completions__pb2.CreateBatchCompletionRequest.FromString,
+                    response_serializer=llmcompletions_dot_v2_dot_completions__pb2.BatchCompletionJob.SerializeToString,
+            ),
+            'GetBatchCompletion': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetBatchCompletion,
+                    request_deserializer=llmcompletions_dot_v2_dot_completions__pb2.GetBatchCompletionRequest.FromString,
+                    response_serializer=llmcompletions_dot_v2_dot_completions__pb2.GetBatchCompletionResponse.SerializeToString,
+            ),
+            'ListBatchCompletions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListBatchCompletions,
+                    request_deserializer=llmcompletions_dot_v2_dot_completions__pb2.ListBatchCompletionsRequest.FromString,
+                    response_serializer=llmcompletions_dot_v2_dot_completions__pb2.ListBatchCompletionsResponse.SerializeToString,
+            ),
+            'UpdateBatchCompletion': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateBatchCompletion,
+                    request_deserializer=llmcompletions_dot_v2_dot_completions__pb2.UpdateBatchCompletionRequest.FromString,
+                    response_serializer=llmcompletions_dot_v2_dot_completions__pb2.UpdateBatchCompletionResponse.SerializeToString,
+            ),
+            'CancelBatchCompletion': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelBatchCompletion,
+                    request_deserializer=llmcompletions_dot_v2_dot_completions__pb2.CancelBatchCompletionRequest.FromString,
+                    response_serializer=llmcompletions_dot_v2_dot_completions__pb2.CancelBatchCompletionResponse.SerializeToString,
+            ),
+            'WatchBatchCompletion': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchBatchCompletion,
+                    request_deserializer=llmcompletions_dot_v2_dot_completions__pb2.WatchBatchCompletionRequest.FromString,
+                    response_serializer=llmcompletions_dot_v2_dot_completions__pb2.BatchCompletionJob.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'llmcompletions.v2.BatchCompletionService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('llmcompletions.v2.BatchCompletionService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class BatchCompletionService:
+    """Offline jobs: LLM Engine's v2 batch completions. A job's lines are
+    completion or chat requests, run on the replica that took the job through
+    the same path as CreateCompletion and CreateChatCompletion, below every
+    interactive call in priority; each finished line is durable at once, and a
+    replica that restarts resumes its unfinished jobs. A job is its creator's:
+    another caller gets NOT_FOUND for it.
+    """
+
+    @staticmethod
+    def CreateBatchCompletion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmcompletions.v2.BatchCompletionService/CreateBatchCompletion',
+            llmcompletions_dot_v2_dot_completions__pb2.CreateBatchCompletionRequest.SerializeToString,
+            llmcompletions_dot_v2_dot_completions__pb2.BatchCompletionJob.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetBatchCompletion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmcompletions.v2.BatchCompletionService/GetBatchCompletion',
+            llmcompletions_dot_v2_dot_completions__pb2.GetBatchCompletionRequest.SerializeToString,
+            llmcompletions_dot_v2_dot_completions__pb2.GetBatchCompletionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListBatchCompletions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmcompletions.v2.BatchCompletionService/ListBatchCompletions',
+            llmcompletions_dot_v2_dot_completions__pb2.ListBatchCompletionsRequest.SerializeToString,
+            llmcompletions_dot_v2_dot_completions__pb2.ListBatchCompletionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateBatchCompletion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmcompletions.v2.BatchCompletionService/UpdateBatchCompletion',
+            llmcompletions_dot_v2_dot_completions__pb2.UpdateBatchCompletionRequest.SerializeToString,
+            llmcompletions_dot_v2_dot_completions__pb2.UpdateBatchCompletionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelBatchCompletion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmcompletions.v2.BatchCompletionService/CancelBatchCompletion',
+            llmcompletions_dot_v2_dot_completions__pb2.CancelBatchCompletionRequest.SerializeToString,
+            llmcompletions_dot_v2_dot_completions__pb2.CancelBatchCompletionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchBatchCompletion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/llmcompletions.v2.BatchCompletionService/WatchBatchCompletion',
+            llmcompletions_dot_v2_dot_completions__pb2.WatchBatchCompletionRequest.SerializeToString,
+            llmcompletions_dot_v2_dot_completions__pb2.BatchCompletionJob.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

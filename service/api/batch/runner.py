@@ -1,0 +1,194 @@
+"""Runs a job's lines: those the durable record does not hold yet, in input order, at most a
+window of them in flight, each through the synchronous call path (`LineCaller`); each finished
+line goes into the record at once (synced about every second), and when the job ends (done,
+cancelled, expired, failed) its output file is written from the record, the lines that did not
+run marked as such. A line the caller's limits or a busy engine hold back waits and runs again;
+any other refusal is that line's error, and the job goes on."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, TextIO
+
+from service.api.batch.output import write_output
+from service.api.batch.store import Job, JobStore, record_line, sync
+
+logger = logging.getLogger(__name__)
+
+SYNC_SECONDS = 1.0
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Whose call a line is: the job's creator."""
+
+    principal: str
+    tenant: str
+    key_id: str
+
+
+class RetryLaterError(Exception):
+    """The line was held back (the caller's rate limit, a busy or loading engine): run it
+    again after `seconds`."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"retry in {seconds:g} s")
+        self.seconds = seconds
+
+
+class LineCaller(Protocol):
+    async def __call__(self, kind: str, body: dict[str, Any], owner: Owner) -> dict[str, Any]:
+        """The line's result: {"response": body} or {"error": {"status_code", "detail"}};
+        raises RetryLaterError."""
+        ...
+
+
+class Runner:
+    """Runs jobs, each in a task of its own."""
+
+    def __init__(
+        self,
+        store: JobStore,
+        call_line: LineCaller,
+        window: int,
+        changed: Callable[[Job], None] = lambda job: None,
+    ) -> None:
+        self.store = store
+        self.call_line = call_line
+        self.window = window
+        self.changed = changed  # told of every change of a job's state
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.stops: dict[str, str] = {}
+
+    def start(self, job: Job) -> None:
+        if job.job_id not in self.tasks:
+            task = asyncio.create_task(self.run(job), name=f"batch-{job.job_id}")
+            self.tasks[job.job_id] = task
+            task.add_done_callback(lambda _: self.tasks.pop(job.job_id, None))
+
+    def stop(self, job_id: str, reason: str) -> asyncio.Task[None] | None:
+        """Stop a job's run: "cancelled", "expired", or "shutdown" (the replica stops: the job
+        stays unfinished, to resume). Its task, if this process was running it."""
+        task = self.tasks.get(job_id)
+        if task is not None:
+            self.stops[job_id] = reason
+            task.cancel()
+        return task
+
+    async def stop_all(self) -> None:
+        tasks = list(self.tasks.values())
+        for job_id in list(self.tasks):
+            self.stop(job_id, "shutdown")
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def run(self, job: Job) -> None:
+        """Run the job to its end, unless another process holds it."""
+        with self.store.held(job.job_id) as mine:
+            if not mine:
+                return
+            fresh = self.store.load(job.job_id)
+            if fresh is None or fresh.terminal:
+                return
+            await self.run_held(fresh)
+
+    async def run_held(self, job: Job) -> None:
+        results = self.store.results(job.job_id)
+        if self.store.cancel_asked(job.job_id):  # asked while nobody ran it
+            self.finish(job, "cancelled", results)
+            return
+        lines = self.store.lines(job.job_id)
+        job.completed = sum("response" in result for result in results.values())
+        job.failed = len(results) - job.completed
+        job.status = "running"
+        self.publish(job)
+        owner = Owner(job.owner, job.tenant, job.key_id)
+        pending = [index for index in range(len(lines)) if index not in results]
+        deadline = asyncio.get_running_loop().call_later(
+            max(0.0, job.expires_at - time.time()), self.stop, job.job_id, "expired"
+        )
+        with self.store.open_record(job.job_id) as record:
+            syncing = asyncio.create_task(self.sync_every_second(record, job.job_id))
+            try:
+                await self.run_lines(job, lines, pending, owner, record, results)
+                ended = "completed"
+            except asyncio.CancelledError:
+                ended = self.stops.pop(job.job_id, "shutdown")
+                if ended == "shutdown":
+                    raise
+            except Exception as error:
+                logger.exception("batch job %s failed", job.job_id)
+                job.error = f"{type(error).__name__}: {error}"
+                ended = "failed"
+            finally:
+                deadline.cancel()
+                syncing.cancel()
+                sync(record)
+        self.finish(job, ended, results)
+
+    async def run_lines(
+        self,
+        job: Job,
+        lines: list[dict[str, Any]],
+        pending: list[int],
+        owner: Owner,
+        record: TextIO,
+        results: dict[int, dict[str, Any]],
+    ) -> None:
+        window = asyncio.Semaphore(self.window)
+        in_flight: set[asyncio.Task[None]] = set()
+
+        async def one(index: int) -> None:
+            try:
+                result = await self.until_run(job.kinds[index], lines[index], owner)
+            finally:
+                window.release()
+            results[index] = result
+            record_line(record, index, result)
+            if "response" in result:
+                job.completed += 1
+            else:
+                job.failed += 1
+            self.publish(job)
+
+        try:
+            for index in pending:
+                await window.acquire()
+                task = asyncio.create_task(one(index))
+                in_flight.add(task)
+                task.add_done_callback(in_flight.discard)
+            await asyncio.gather(*in_flight)
+        finally:
+            for task in in_flight:
+                task.cancel()
+            await asyncio.gather(*in_flight, return_exceptions=True)
+
+    async def until_run(self, kind: str, body: dict[str, Any], owner: Owner) -> dict[str, Any]:
+        while True:
+            try:
+                return await self.call_line(kind, body, owner)
+            except RetryLaterError as held_back:
+                await asyncio.sleep(held_back.seconds)
+
+    async def sync_every_second(self, record: TextIO, job_id: str) -> None:
+        """Sync the record; stop the job if a cancel was asked in another process."""
+        while True:
+            await asyncio.sleep(SYNC_SECONDS)
+            sync(record)
+            if self.store.cancel_asked(job_id):
+                self.stop(job_id, "cancelled")
+
+    def finish(self, job: Job, ended: str, results: dict[int, dict[str, Any]]) -> None:
+        job.status = "failed" if ended == "expired" else ended
+        if ended == "expired":
+            job.error = f"max_runtime_sec ({job.max_runtime_sec}) passed before every line ran"
+        job.completed_at = time.time()
+        write_output(job, results, ended)
+        self.publish(job)
+
+    def publish(self, job: Job) -> None:
+        self.store.save(job)
+        self.changed(job)
