@@ -1,5 +1,6 @@
 """Command line: `serve` (the default) runs the gRPC server; `prepare-model` readies the
-default model ahead of time; `tenants hash-key` prints the hash of a key for the tenants file.
+default model ahead of time; `tenants hash-key` prints the hash of a key for the tenants file;
+`batch run INPUT OUTPUT` runs a batch job on a local engine.
 Every option can also be set by the environment variable named in its help."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import argparse
 import contextlib
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from plumbing.lifetime import exit_now
 from service import __version__
@@ -29,7 +31,7 @@ from service.settings import EngineSettings, ServerSettings
 from service.transport.frontend_metrics import metrics_directory
 from service.transport.logs import configure_logging
 
-COMMANDS = ("serve", "prepare-model", "tenants")
+COMMANDS = ("serve", "prepare-model", "tenants", "batch")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 # The options before the command: those that take a value, and those that take none.
 TOP_LEVEL_VALUE_OPTIONS = ("--log-level", "--log-format")
@@ -76,6 +78,21 @@ def build_parser() -> argparse.ArgumentParser:
         "hash-key",
         help="print the sha256 the tenants file stores for the key read from standard input "
         "(one line; the key itself is stored nowhere)",
+    )
+    batch = commands.add_parser("batch", help="batch jobs on a local engine")
+    batch_tools = batch.add_subparsers(dest="tool", required=True)
+    run = batch_tools.add_parser(
+        "run",
+        help="run the requests of INPUT (a JSON list or JSONL of completion or chat requests) "
+        "into OUTPUT (a JSON list of their answers) on a local engine; the same command "
+        "resumes an interrupted job",
+    )
+    run.add_argument("input", type=Path, help="the requests")
+    run.add_argument("output", type=Path, help="where the answers go")
+    run.add_argument(
+        "serve_options",
+        nargs=argparse.REMAINDER,
+        help="options of `serve` for the engine (e.g. --model DIR --max-model-len 4096)",
     )
     return parser
 
@@ -202,4 +219,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(run_prepare_model(args))
     if args.command == "tenants":
         sys.exit(run_hash_key())
+    if args.command == "batch":
+        from service.batch_command import run_batch
+
+        sys.exit(run_batch(args.input, args.output, args.serve_options))
     exit_now(run_serve(args))

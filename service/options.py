@@ -736,6 +736,15 @@ def add_batch_options(serve: argparse.ArgumentParser) -> None:
         "bytes a batch job's input file may have",
         positive_int,
     )
+    add_option(
+        serve,
+        "--batch-takeover-seconds",
+        "BATCH_TAKEOVER_SECONDS",
+        defaults.takeover_seconds,
+        "how often unfinished jobs that no process runs are looked for and resumed (a replica "
+        "sharing the batch root died)",
+        positive_float,
+    )
 
 
 def batch_settings(args: argparse.Namespace) -> BatchSettings:
@@ -743,6 +752,7 @@ def batch_settings(args: argparse.Namespace) -> BatchSettings:
         root=args.batch_root.expanduser(),
         max_lines=args.batch_max_lines,
         max_input_bytes=args.batch_max_input_bytes,
+        takeover_seconds=args.batch_takeover_seconds,
     )
 
 

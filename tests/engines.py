@@ -37,7 +37,8 @@ START_BUDGET: dict[str, int] = {
     "vllm-vlm": 1,  # vLLM's server on the same model and media settings: image parity
     # One module's own, each stopped, killed, restarted or reconfigured by its tests.
     "tls": 1,  # serves TLS and requires client certificates
-    "batch-resume": 2,  # SIGKILLed mid-job, then started again on the same batch root
+    # Two replicas on one batch root, each SIGKILLed mid-job in turn, then one started again.
+    "batch-resume": 3,
     # Two replicas joining a fresh Envoy under traffic, one drained and restarted.
     "multi-replica": 3,
     # Stopped at four moments of its start, by SIGTERM and by SIGKILL; and with two frontends

@@ -21,6 +21,7 @@ from llmcompletions.v2 import completions_pb2_grpc
 from llmcompletions.v2.completions_pb2 import WatchBatchCompletionRequest
 
 from tests.conftest import AUTH_HEADERS, GRPC_AUTH, MAX_MODEL_LEN, MODEL, TENANT_KEYS
+from tests.metrics import sample
 from tests.processes import TestStack
 
 COMPLETION_LINES = [
@@ -34,6 +35,12 @@ CHAT_LINES = [
         "temperature": 0,
     }
 ]
+# The batch metrics one job of the default caller moves.
+COUNTED = {
+    "llmcompletions_batch_jobs_total": {"status": "completed"},
+    "llmcompletions_batch_lines_total": {"result": "completed"},
+    "llmcompletions_batch_tokens_total": {"tenant": "", "kind": "completion"},
+}
 # Fields that differ between any two answers: their ids and times.
 VOLATILE = ("id", "created")
 JOB_SECONDS = 300
@@ -99,9 +106,10 @@ def batch_stub(stack: TestStack) -> Iterator[completions_pb2_grpc.BatchCompletio
 
 
 def test_inline_lines_answer_as_the_synchronous_calls_do(
-    rest: httpx.Client, batch_root: Path
+    rest: httpx.Client, batch_root: Path, metrics_url: str
 ) -> None:
     lines = [*COMPLETION_LINES, *CHAT_LINES]
+    before = {name: sample(metrics_url, name, **labels) for name, labels in COUNTED.items()}
     job = create(rest, job_request(lines, output_data_path="inline/out.json"))
     assert job["status"] in ("queued", "running") and job["job_id"].startswith("batch-")
     assert job["metadata"] == {"team": "tests"} and job["model_config"]["model"] == MODEL
@@ -114,6 +122,13 @@ def test_inline_lines_answer_as_the_synchronous_calls_do(
     assert len(output) == len(lines)
     for item, kind, line in zip(output, kinds, lines, strict=True):
         assert_same_answer(stable(item), stable(sync_answer(rest, kind, line)))
+    after = {name: sample(metrics_url, name, **labels) for name, labels in COUNTED.items()}
+    assert after["llmcompletions_batch_jobs_total"] == before["llmcompletions_batch_jobs_total"] + 1
+    lines_done = "llmcompletions_batch_lines_total"
+    assert after[lines_done] == before[lines_done] + len(lines)
+    generated = sum(item["usage"]["completion_tokens"] for item in output)
+    tokens = "llmcompletions_batch_tokens_total"
+    assert after[tokens] == before[tokens] + generated
 
 
 def test_a_jsonl_file_runs_as_its_lines(rest: httpx.Client, batch_root: Path) -> None:

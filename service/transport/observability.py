@@ -100,6 +100,15 @@ IMAGE_TOKENS = Counter(
     "Prompt tokens the images of served chat requests take (in prompt_tokens too), by tenant",
     ["tenant"],
 )
+BATCH_JOBS = Counter("llmcompletions_batch_jobs", "Batch jobs ended, by final status", ["status"])
+BATCH_LINES = Counter(
+    "llmcompletions_batch_lines", "Batch lines finished: completed, or failed", ["result"]
+)
+BATCH_TOKENS = Counter(
+    "llmcompletions_batch_tokens",
+    "Tokens of batch lines (in the prompt and completion token counts too), by tenant and kind",
+    ["tenant", "kind"],
+)
 COMPLETION_TOKENS = Counter(
     "llmcompletions_completion_tokens",
     "Completion tokens generated for served requests, by tenant",
@@ -240,6 +249,7 @@ class RequestRecord:
     completion_tokens: int = 0
     images: int = 0
     image_tokens: int = 0
+    batch: bool = False  # a batch job's line (service.transport.batch_lines)
     prompts: list[str] | None = None  # only kept when prompts are logged
     output: str = ""
 
@@ -277,6 +287,9 @@ class RequestRecord:
         PROMPT_TOKENS.labels(self.tenant).inc(self.prompt_tokens)
         CACHED_PROMPT_TOKENS.labels(self.tenant).inc(self.cached_tokens)
         COMPLETION_TOKENS.labels(self.tenant).inc(self.completion_tokens)
+        if self.batch:
+            BATCH_TOKENS.labels(self.tenant, "prompt").inc(self.prompt_tokens)
+            BATCH_TOKENS.labels(self.tenant, "completion").inc(self.completion_tokens)
         if self.images:
             IMAGES.labels(self.tenant).inc(self.images)
             IMAGE_TOKENS.labels(self.tenant).inc(self.image_tokens)
@@ -300,6 +313,16 @@ class RequestRecord:
         if self.prompts is not None:
             fields.update(prompts=self.prompts, output=self.output)
         logger.info("request", extra={"fields": fields})
+
+
+class BatchMetrics:
+    """Batch jobs' lines and ends, counted (service.api.batch.runner.BatchCounts)."""
+
+    def line_finished(self, result: str) -> None:
+        BATCH_LINES.labels(result).inc()
+
+    def job_ended(self, status: str) -> None:
+        BATCH_JOBS.labels(status).inc()
 
 
 def counted_limit(kind: str, detail: str) -> None:

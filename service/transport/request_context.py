@@ -16,6 +16,7 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from service.api import endpoint_models
+from service.transport.batch_lines import line_owner
 from service.transport.call_tracing import start_call_span
 from service.transport.endpoint_header import passed_listing
 from service.transport.interception import StreamBehaviour, StreamInterceptor
@@ -111,4 +112,5 @@ class RequestContextInterceptor(StreamInterceptor):
             user=caller_text(getattr(request, "user", "")),
             stream=getattr(request, "stream", False),
             prompts=logged_prompts(request) if self._log_prompts else None,
+            batch=line_owner(tuple(context.invocation_metadata() or ())) is not None,
         )

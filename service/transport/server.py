@@ -53,6 +53,7 @@ from service.transport.key_order import KeyOrderInterceptor
 from service.transport.load_reports import LoadReports
 from service.transport.observability import (
     TENANT_RELOADS,
+    BatchMetrics,
     counted_limit,
     label_frontend,
     publish_resident_adapters,
@@ -266,6 +267,7 @@ def batch_jobs(
         JobStore(settings.root),
         GrpcLineCaller(line_socket, priority),
         window=max(1, model.capacity.max_num_seqs // BATCH_WINDOW_SHARE),
+        counts=BatchMetrics(),
     )
     engine = EngineFacts(model.max_model_len, model.engine.model_config.quantization)
 
@@ -274,7 +276,7 @@ def batch_jobs(
         handler.check(request)  # type: ignore[arg-type]
         check_served(model.adapters, request.model)  # type: ignore[attr-defined]
 
-    return BatchJobs(settings, runner, engine, validate_line)
+    return BatchJobs(settings, runner, engine, validate_line, model.adapters.serves)
 
 
 async def set_health(health_servicer: health.aio.HealthServicer, status: int) -> None:
@@ -339,6 +341,7 @@ async def serve(
     model: ServedModel | None = None
     gauges: asyncio.Task[None] | None = None
     adapter_root: asyncio.Task[None] | None = None
+    batch_takeover: asyncio.Future[None] | None = None
     link = None if role is None else role.link
     loading = asyncio.ensure_future(asyncio.to_thread(start_engine, engine_settings, link, standby))
     stopping = asyncio.ensure_future(stop.wait())
@@ -368,6 +371,7 @@ async def serve(
         logger.info("serving model %s", model.name)
         if resumed := state.batch.resume():
             logger.info("resuming %d unfinished batch jobs", resumed)
+        batch_takeover = asyncio.ensure_future(state.batch.take_over())
         if await until_stopped_or_engine_dead(model, stopping):
             logger.error("the engine died: refusing new requests and exiting for a restart")
             state.serving = None
@@ -385,7 +389,7 @@ async def serve(
         # Keep serving while load balancers' health checks see NOT_SERVING and stop sending.
         await asyncio.sleep(server_settings.drain_delay_seconds)
     await drain(server, calls, server_settings.shutdown_grace_seconds)
-    for task in (gauges, following, adapter_root):
+    for task in (gauges, following, adapter_root, batch_takeover):
         if task is not None:
             task.cancel()
     if model is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -38,6 +39,8 @@ from service.api.batch.store import CANCEL_MARKER, Job
 from service.api.errors import CompletionError, RequestValidationError
 from service.api.validation import Violations
 from service.settings import BatchSettings
+
+logger = logging.getLogger(__name__)
 
 WATCH_POLL_SECONDS = 1.0
 # How long a cancel waits for the job's lines in flight to stop and its output to be written.
@@ -88,12 +91,14 @@ class BatchJobs:
         runner: Runner,
         engine: EngineFacts,
         validate_line: Callable[[str, Message], None],
+        serves: Callable[[str], bool] = lambda model: True,
     ) -> None:
         self.settings = settings
         self.store = runner.store
         self.runner = runner
         self.engine = engine
         self.validate_line = validate_line
+        self.serves = serves  # whether a job's model is served here
         self.changes: dict[str, asyncio.Event] = {}
         runner.changed = self.changed
 
@@ -204,7 +209,6 @@ class BatchJobs:
         task = self.runner.stop(job_id, "cancelled")
         if task is not None:
             await asyncio.wait({task}, timeout=CANCEL_WAIT_SECONDS)
-            return True
         with self.store.held(job_id) as mine:
             if mine:  # nobody runs it: it ends here
                 job = self.store.load(job_id) or job
@@ -232,8 +236,25 @@ class BatchJobs:
                 yield job
 
     def resume(self) -> int:
-        """Start every unfinished job (those another process holds are left to it)."""
-        unfinished = [job for job in self.store.all() if not job.terminal]
-        for job in unfinished:
+        """Start every unfinished job of a model served here that no process runs (another
+        process, or replica on the same root, holds the ones it runs); how many were started."""
+        started = 0
+        for job in self.store.all():
+            if job.terminal or job.job_id in self.runner.tasks:
+                continue
+            if not self.serves(str(job.model_config.get("model", ""))):
+                continue
+            with self.store.held(job.job_id) as free:
+                if not free:
+                    continue
             self.runner.start(job)
-        return len(unfinished)
+            started += 1
+        return started
+
+    async def take_over(self) -> None:
+        """Resume, now and then, the jobs whose process died: on a root shared by several
+        replicas, a dead replica's lock goes with it, and another replica takes its jobs."""
+        while True:
+            await asyncio.sleep(self.settings.takeover_seconds)
+            if started := self.resume():
+                logger.info("took over %d unfinished batch jobs", started)

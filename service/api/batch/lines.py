@@ -44,7 +44,10 @@ def read_input_file(path: Path, limits: BatchSettings, field: str) -> list[Any]:
         raise one_violation(
             (field,), f"the file has {size} bytes; at most {limits.max_input_bytes} per job"
         )
-    text = path.read_text()
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        raise one_violation((field,), f"cannot read {field} as UTF-8 text: {error}") from error
     try:
         parsed = json.loads(text)
     except ValueError:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from service.api.batch.store import JOBS_DIRECTORY
 from service.api.errors import RequestValidationError
 from service.api.validation import Violations
 
@@ -43,5 +44,12 @@ def confined(root: Path, given: str, field: str, found: Violations) -> Path | No
             f"{field} must lie inside the server's batch root {base} (BATCH_ROOT); give a path "
             "there, absolute or relative to it",
         )
+        return None
+    store = base / JOBS_DIRECTORY
+    if resolved == store or store in resolved.parents:
+        found.add((field,), f"{field} may not be in the jobs' own records ({JOBS_DIRECTORY})")
+        return None
+    if resolved.is_dir():
+        found.add((field,), f"{field} is a directory; name a file")
         return None
     return resolved

@@ -47,6 +47,23 @@ class LineCaller(Protocol):
         ...
 
 
+class BatchCounts(Protocol):
+    """Where finished lines and ended jobs are counted (the metrics)."""
+
+    def line_finished(self, result: str) -> None:
+        """A line "completed" or "failed"."""
+
+    def job_ended(self, status: str) -> None: ...
+
+
+class Uncounted:
+    def line_finished(self, result: str) -> None:
+        pass
+
+    def job_ended(self, status: str) -> None:
+        pass
+
+
 class Runner:
     """Runs jobs, each in a task of its own."""
 
@@ -55,12 +72,13 @@ class Runner:
         store: JobStore,
         call_line: LineCaller,
         window: int,
-        changed: Callable[[Job], None] = lambda job: None,
+        counts: BatchCounts | None = None,
     ) -> None:
         self.store = store
         self.call_line = call_line
         self.window = window
-        self.changed = changed  # told of every change of a job's state
+        self.counts = counts or Uncounted()
+        self.changed: Callable[[Job], None] = lambda job: None  # told of every change
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.stops: dict[str, str] = {}
 
@@ -68,7 +86,11 @@ class Runner:
         if job.job_id not in self.tasks:
             task = asyncio.create_task(self.run(job), name=f"batch-{job.job_id}")
             self.tasks[job.job_id] = task
-            task.add_done_callback(lambda _: self.tasks.pop(job.job_id, None))
+            task.add_done_callback(lambda _: self.ended(job.job_id))
+
+    def ended(self, job_id: str) -> None:
+        self.tasks.pop(job_id, None)
+        self.stops.pop(job_id, None)
 
     def stop(self, job_id: str, reason: str) -> asyncio.Task[None] | None:
         """Stop a job's run: "cancelled", "expired", or "shutdown" (the replica stops: the job
@@ -144,6 +166,10 @@ class Runner:
         async def one(index: int) -> None:
             try:
                 result = await self.until_run(job.kinds[index], lines[index], owner)
+            except Exception as error:
+                logger.exception("batch job %s: line %d failed", job.job_id, index)
+                detail = f"the line failed on the server: {type(error).__name__}"
+                result = {"error": {"status_code": 500, "detail": detail}}
             finally:
                 window.release()
             results[index] = result
@@ -152,6 +178,7 @@ class Runner:
                 job.completed += 1
             else:
                 job.failed += 1
+            self.counts.line_finished("completed" if "response" in result else "failed")
             self.publish(job)
 
         try:
@@ -186,8 +213,12 @@ class Runner:
         if ended == "expired":
             job.error = f"max_runtime_sec ({job.max_runtime_sec}) passed before every line ran"
         job.completed_at = time.time()
-        write_output(job, results, ended)
+        try:
+            write_output(job, results, ended)
+        except OSError as error:
+            job.status, job.error = "failed", f"the output file could not be written: {error}"
         self.publish(job)
+        self.counts.job_ended(job.status)
 
     def publish(self, job: Job) -> None:
         self.store.save(job)

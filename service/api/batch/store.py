@@ -92,7 +92,7 @@ class JobStore:
     def load(self, job_id: str) -> Job | None:
         try:
             return Job.from_dict(json.loads((self.directory(job_id) / "job.json").read_text()))
-        except (OSError, ValueError):
+        except (OSError, ValueError, TypeError, AttributeError):  # none, or not a job's
             return None
 
     def all(self) -> list[Job]:
@@ -122,7 +122,13 @@ class JobStore:
         return (self.directory(job_id) / CANCEL_MARKER).exists()
 
     def open_record(self, job_id: str) -> TextIO:
-        return (self.directory(job_id) / "results.jsonl").open("a")
+        """The record, to append to: a torn last line (a crash) is ended first, so that the
+        next result starts a line of its own."""
+        path = self.directory(job_id) / "results.jsonl"
+        record = path.open("a")
+        if path.stat().st_size and not path.read_bytes().endswith(b"\n"):
+            record.write("\n")
+        return record
 
     @contextlib.contextmanager
     def held(self, job_id: str) -> Iterator[bool]:
