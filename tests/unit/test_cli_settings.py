@@ -406,7 +406,7 @@ def test_top_level_help_lists_the_commands(
 ) -> None:
     calls = Calls(monkeypatch)
     assert main("--log-level", "DEBUG", "--help") == 0
-    assert "{serve,prepare-model,tenants}" in capsys.readouterr().out
+    assert "{serve,prepare-model,tenants,batch}" in capsys.readouterr().out
     assert main("--port", "1", "--help") == 0  # after a serve option: serve's help
     assert "--max-num-queued-reqs" in capsys.readouterr().out
     assert calls.serve == []
