@@ -108,7 +108,8 @@ def follow(channel: grpc.Channel, job: BatchCompletionJob, output_file: Path) ->
     batch = completions_pb2_grpc.BatchCompletionServiceStub(channel)
     watch = WatchBatchCompletionRequest(batch_completion_id=job.job_id)
     shown = 0.0
-    for job in batch.WatchBatchCompletion(watch):
+    for event in batch.WatchBatchCompletion(watch):
+        job = event.job
         if job.status in TERMINAL or time.monotonic() - shown >= 1:
             counts = job.request_counts
             print(

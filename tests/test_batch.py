@@ -244,9 +244,9 @@ def test_the_watch_ends_on_the_final_status(
     job = create(rest, job_request(COMPLETION_LINES, output_data_path="watched.json"))
     request = WatchBatchCompletionRequest(batch_completion_id=job["job_id"])
     seen = list(batch_stub.WatchBatchCompletion(request, metadata=GRPC_AUTH, timeout=JOB_SECONDS))
-    assert seen[-1].status == "completed"
-    assert seen[-1].request_counts.completed == len(COMPLETION_LINES)
-    assert all(event.status in ("queued", "running") for event in seen[:-1])
+    assert seen[-1].job.status == "completed"
+    assert seen[-1].job.request_counts.completed == len(COMPLETION_LINES)
+    assert all(event.job.status in ("queued", "running") for event in seen[:-1])
 
 
 def test_priority_updates_and_keys_llm_engine_sends_are_taken(

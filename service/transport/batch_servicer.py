@@ -19,6 +19,7 @@ from llmcompletions.v2.completions_pb2 import (
     UpdateBatchCompletionRequest,
     UpdateBatchCompletionResponse,
     WatchBatchCompletionRequest,
+    WatchBatchCompletionResponse,
 )
 
 from service.api.batch.jobs import BatchJobs, job_message
@@ -78,6 +79,6 @@ class BatchServicer(completions_pb2_grpc.BatchCompletionServiceServicer):
 
     async def WatchBatchCompletion(
         self, request: WatchBatchCompletionRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[BatchCompletionJob]:
+    ) -> AsyncIterator[WatchBatchCompletionResponse]:
         async for job in self.jobs().watch(request.batch_completion_id, caller()):
-            yield job_message(job)
+            yield WatchBatchCompletionResponse(job=job_message(job))

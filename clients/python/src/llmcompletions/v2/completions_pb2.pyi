@@ -742,6 +742,12 @@ class CreateBatchCompletionRequest(_message.Message):
     nodes_per_worker: _struct_pb2.Value
     def __init__(self, output_data_path: _Optional[str] = ..., input_data_path: _Optional[str] = ..., content: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., model_config: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., max_runtime_sec: _Optional[int] = ..., priority: _Optional[str] = ..., data_parallelism: _Optional[int] = ..., tool_config: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., cpus: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., gpus: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., memory: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., gpu_type: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., storage: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., nodes_per_worker: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ...) -> None: ...
 
+class WatchBatchCompletionResponse(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: BatchCompletionJob
+    def __init__(self, job: _Optional[_Union[BatchCompletionJob, _Mapping]] = ...) -> None: ...
+
 class BatchCompletionJob(_message.Message):
     __slots__ = ("job_id", "status", "input_data_path", "output_data_path", "model_config", "priority", "created_at", "expires_at", "completed_at", "metadata", "request_counts", "error")
     class MetadataEntry(_message.Message):
