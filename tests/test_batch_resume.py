@@ -29,7 +29,7 @@ from tests.conftest import ENGINE_START_TIMEOUT, MODEL, SMALL_ENGINE, on_free_po
 from tests.engines import STARTS
 from tests.processes import TestStack
 
-LINES = 60
+LINES = 160
 JOB_SECONDS = 300
 TAKEOVER_SECONDS = 1
 
@@ -80,8 +80,9 @@ def test_a_job_outlives_its_replicas(tmp_path: Path) -> None:
     root.mkdir()
     with ThreadPoolExecutor(2) as starting:
         first, second = starting.map(lambda name: start(root, tmp_path / f"{name}.log"), "ab")
+    # Of different lengths, so that they end one after another rather than a window at once.
     lines = [
-        {"prompt": f"Item {i}:", "max_tokens": 48, "ignore_eos": True, "temperature": 0}
+        {"prompt": f"Item {i}:", "max_tokens": 4 + 4 * (i % 16), "ignore_eos": True}
         for i in range(LINES)
     ]
     body = {"model_config": {"model": MODEL}, "content": lines, "output_data_path": "o.json"}
