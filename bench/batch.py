@@ -109,13 +109,13 @@ def first_token_seconds(client: httpx.Client, calls: int) -> list[float]:
     }
     for _ in range(calls):
         started = time.monotonic()
+        first: float | None = None
         with client.stream("POST", "/v2/chat/completions", json=body, timeout=120) as response:
             for line in response.iter_lines():
-                if line.startswith("data: ") and '"content"' in line:
-                    measured.append(time.monotonic() - started)
-                    break
-            for _ in response.iter_lines():
-                pass
+                if first is None and line.startswith("data: ") and '"content"' in line:
+                    first = time.monotonic() - started
+        assert first is not None, "the stream had no content"
+        measured.append(first)
         time.sleep(INTERACTIVE_GAP_SECONDS)
     return measured
 
