@@ -315,6 +315,20 @@ class RequestRecord:
         logger.info("request", extra={"fields": fields})
 
 
+# The calls that generate: batch lines go after the others (service.api.batch.runner).
+GENERATING_METHODS = frozenset({"CreateCompletion", "CreateChatCompletion"})
+
+
+@dataclass
+class InteractiveCalls:
+    """This process's generating calls in flight that are not batch lines."""
+
+    running: int = 0
+
+
+INTERACTIVE_CALLS = InteractiveCalls()
+
+
 class BatchMetrics:
     """Batch jobs' lines and ends, counted (service.api.batch.runner.BatchCounts)."""
 

@@ -20,7 +20,13 @@ from service.transport.batch_lines import line_owner
 from service.transport.call_tracing import start_call_span
 from service.transport.endpoint_header import passed_listing
 from service.transport.interception import StreamBehaviour, StreamInterceptor
-from service.transport.observability import IN_FLIGHT, RequestRecord, caller_text
+from service.transport.observability import (
+    GENERATING_METHODS,
+    IN_FLIGHT,
+    INTERACTIVE_CALLS,
+    RequestRecord,
+    caller_text,
+)
 
 REQUEST_ID_HEADER = "x-request-id"
 # Accepted from callers as is; anything else is replaced, so ids stay safe to log and echo.
@@ -86,6 +92,8 @@ class RequestContextInterceptor(StreamInterceptor):
         endpoint = endpoint_models.bind(passed_listing(context))
         code = "UNKNOWN"
         IN_FLIGHT.inc()
+        interactive = method in GENERATING_METHODS and not record.batch
+        INTERACTIVE_CALLS.running += interactive
         try:
             async for message in inner(request, context):
                 record.message_sent(message)
@@ -96,6 +104,7 @@ class RequestContextInterceptor(StreamInterceptor):
             raise
         finally:
             IN_FLIGHT.dec()
+            INTERACTIVE_CALLS.running -= interactive
             record.finish(code)
             if span is not None:
                 span.end(record, code)

@@ -52,6 +52,7 @@ from service.transport.interception import StreamInterceptor
 from service.transport.key_order import KeyOrderInterceptor
 from service.transport.load_reports import LoadReports
 from service.transport.observability import (
+    INTERACTIVE_CALLS,
     TENANT_RELOADS,
     BatchMetrics,
     counted_limit,
@@ -268,6 +269,7 @@ def batch_jobs(
         GrpcLineCaller(line_socket, priority),
         window=max(1, model.capacity.max_num_seqs // BATCH_WINDOW_SHARE),
         counts=BatchMetrics(),
+        interactive_calls=lambda: INTERACTIVE_CALLS.running,
     )
     engine = EngineFacts(model.max_model_len, model.engine.model_config.quantization)
 

@@ -780,3 +780,29 @@ def test_a_result_after_a_torn_line_starts_a_line_of_its_own(tmp_path: Path) -> 
     with store.open_record(job.job_id) as record:
         record_line(record, 2, answer({"prompt": "2"}))
     assert set(store.results(job.job_id)) == {0, 2}
+
+
+def test_lines_yield_to_interactive_calls_down_to_an_eighth_of_the_window(tmp_path: Path) -> None:
+    """While interactive calls run, no new line starts until the lines in flight are down to an
+    eighth of the window; alone, the whole window runs."""
+    peaks: dict[str, int] = {}
+
+    def peak(interactive: int) -> int:
+        store, job = stored_job(tmp_path / str(interactive), 40)
+        flying = 0
+        highest = 0
+
+        async def caller(kind: str, body: dict[str, Any], owner: Owner) -> dict[str, Any]:
+            nonlocal flying, highest
+            flying += 1
+            highest = max(highest, flying)
+            await asyncio.sleep(0.02)
+            flying -= 1
+            return answer(body)
+
+        runner = Runner(store, caller, window=16, interactive_calls=lambda: interactive)
+        asyncio.run(run_to_end(runner, job))
+        return highest
+
+    peaks = {"alone": peak(0), "beside calls": peak(1)}
+    assert peaks == {"alone": 16, "beside calls": 2}

@@ -20,6 +20,12 @@ from service.api.batch.store import Job, JobStore, record_line, sync
 logger = logging.getLogger(__name__)
 
 SYNC_SECONDS = 1.0
+# While interactive calls run, at most this share of the window of lines stays in flight ...
+YIELDING_SHARE = 8
+# ... checked this often, and for this long after the last one was seen (a client's next call
+# comes soon: lines started in between would be in its steps).
+YIELD_CHECK_SECONDS = 0.05
+INTERACTIVE_HOLD_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -65,7 +71,9 @@ class Uncounted:
 
 
 class Runner:
-    """Runs jobs, each in a task of its own."""
+    """Runs jobs, each in a task of its own. Interactive calls go first: while they run (and
+    for a moment after), no new line starts until the lines in flight are down to an eighth of
+    the window (what is left of their steps' cost to interactive calls)."""
 
     def __init__(
         self,
@@ -73,10 +81,15 @@ class Runner:
         call_line: LineCaller,
         window: int,
         counts: BatchCounts | None = None,
+        interactive_calls: Callable[[], int] = lambda: 0,
     ) -> None:
         self.store = store
         self.call_line = call_line
         self.window = window
+        self.yielding_window = max(1, window // YIELDING_SHARE)
+        self.interactive_calls = interactive_calls  # this process's calls that are no lines
+        self.lines_in_flight = 0  # of every job this process runs
+        self.interactive_seen_at = float("-inf")
         self.counts = counts or Uncounted()
         self.changed: Callable[[Job], None] = lambda job: None  # told of every change
         self.tasks: dict[str, asyncio.Task[None]] = {}
@@ -162,6 +175,7 @@ class Runner:
     ) -> None:
         window = asyncio.Semaphore(self.window)
         in_flight: set[asyncio.Task[None]] = set()
+        watching = asyncio.create_task(self.watch_interactive_calls())
 
         async def one(index: int) -> None:
             try:
@@ -171,6 +185,7 @@ class Runner:
                 detail = f"the line failed on the server: {type(error).__name__}"
                 result = {"error": {"status_code": 500, "detail": detail}}
             finally:
+                self.lines_in_flight -= 1
                 window.release()
             results[index] = result
             record_line(record, index, result)
@@ -184,14 +199,37 @@ class Runner:
         try:
             for index in pending:
                 await window.acquire()
+                await self.yield_to_interactive_calls()
+                self.lines_in_flight += 1  # from now: its task may not have run yet
                 task = asyncio.create_task(one(index))
                 in_flight.add(task)
                 task.add_done_callback(in_flight.discard)
             await asyncio.gather(*in_flight)
         finally:
+            watching.cancel()
             for task in in_flight:
                 task.cancel()
             await asyncio.gather(*in_flight, return_exceptions=True)
+
+    async def yield_to_interactive_calls(self) -> None:
+        """Wait while interactive calls ran lately and the lines in flight are over the
+        yielding window: each line in a decoding step makes the step, and so every call in
+        it, dearer."""
+        while self.lines_in_flight >= self.yielding_window and self.interactive_lately():
+            await asyncio.sleep(YIELD_CHECK_SECONDS)
+
+    def interactive_lately(self) -> bool:
+        self.look_for_interactive_calls()
+        return time.monotonic() - self.interactive_seen_at < INTERACTIVE_HOLD_SECONDS
+
+    def look_for_interactive_calls(self) -> None:
+        if self.interactive_calls() > 0:
+            self.interactive_seen_at = time.monotonic()
+
+    async def watch_interactive_calls(self) -> None:
+        while True:
+            self.look_for_interactive_calls()
+            await asyncio.sleep(YIELD_CHECK_SECONDS)
 
     async def until_run(self, kind: str, body: dict[str, Any], owner: Owner) -> dict[str, Any]:
         while True:
