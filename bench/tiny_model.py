@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from service.model.default_model import exclusive_lock, prepare_default_model
@@ -54,11 +55,18 @@ def tiny_model_dir(default_dir: Path) -> Path:
 def prepare_tiny_model() -> Path:
     """Return the tiny model's directory, building it first if it is missing."""
     default_dir = prepare_default_model()
-    target = tiny_model_dir(default_dir)
-    if (target / COMPLETE_MARKER).is_file():
+    return built_once(default_dir, tiny_model_dir(default_dir), COMPLETE_MARKER, build)
+
+
+def built_once(
+    default_dir: Path, target: Path, marker: str, build: Callable[[Path, Path], None]
+) -> Path:
+    """`target`, built from the default model by `build` unless `marker` in it says it is
+    whole already: once, whichever of several processes asks first."""
+    if (target / marker).is_file():
         return target
     with exclusive_lock(target.parent / f".{target.name}.lock"):
-        if not (target / COMPLETE_MARKER).is_file():  # another process may have built it
+        if not (target / marker).is_file():  # another process may have built it
             build(default_dir, target)
     return target
 

@@ -15,16 +15,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from service.model.default_model import exclusive_lock, prepare_default_model
+from bench.tiny_model import HIDDEN_SIZE, NUM_LAYERS, SEED, built_once
+from bench.tiny_model import tiny_settings as text_settings
+from service.model.default_model import prepare_default_model
 
-# The text model: the same narrow Llama layer as bench/tiny_model.py.
-NUM_LAYERS = 1
-HIDDEN_SIZE = 64
-INTERMEDIATE_SIZE = 256
-# head_dim 32 is the smallest head size vLLM's CPU attention backend supports.
-NUM_ATTENTION_HEADS = 2
-NUM_KEY_VALUE_HEADS = 1
-HEAD_DIM = HIDDEN_SIZE // NUM_ATTENTION_HEADS
+# The text model is bench/tiny_model.py's narrow Llama layer (its settings).
 # The vision model: one layer over 32-pixel tiles of 8-pixel patches (16 patches), which the
 # pixel shuffle (scale factor 2) folds into 4 image tokens per tile.
 VISION_HIDDEN_SIZE = 32
@@ -38,7 +33,6 @@ IMAGE_SEQ_LEN = (IMAGE_SIZE // PATCH_SIZE) ** 2 // SCALE_FACTOR**2
 # An image is first resized so its longest edge is this, then cut into IMAGE_SIZE tiles (plus
 # one global tile): at most 2x2 + 1 tiles, so at most 20 image tokens.
 RESIZED_LONGEST_EDGE = 2 * IMAGE_SIZE
-SEED = 0
 COMPLETE_MARKER = "tiny_vlm.json"
 
 IMAGE_TOKEN = "<image>"
@@ -65,17 +59,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% endif %}<end_of_utterance>\n"
     "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
 )
-
-
-def text_settings() -> dict[str, object]:
-    return {
-        "num_hidden_layers": NUM_LAYERS,
-        "hidden_size": HIDDEN_SIZE,
-        "intermediate_size": INTERMEDIATE_SIZE,
-        "num_attention_heads": NUM_ATTENTION_HEADS,
-        "num_key_value_heads": NUM_KEY_VALUE_HEADS,
-        "head_dim": HEAD_DIM,
-    }
 
 
 def vision_settings() -> dict[str, object]:
@@ -110,13 +93,7 @@ def tiny_vlm_dir(default_dir: Path) -> Path:
 def prepare_tiny_vlm() -> Path:
     """Return the tiny VLM's directory, building it first if it is missing."""
     default_dir = prepare_default_model()
-    target = tiny_vlm_dir(default_dir)
-    if (target / COMPLETE_MARKER).is_file():
-        return target
-    with exclusive_lock(target.parent / f".{target.name}.lock"):
-        if not (target / COMPLETE_MARKER).is_file():  # another process may have built it
-            build(default_dir, target)
-    return target
+    return built_once(default_dir, tiny_vlm_dir(default_dir), COMPLETE_MARKER, build)
 
 
 def load_tokenizer(default_dir: Path) -> Any:
