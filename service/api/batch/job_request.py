@@ -5,7 +5,6 @@ than one replica) is refused with 422 naming it, never silently ignored."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,7 +93,3 @@ def max_runtime_sec(request: CreateBatchCompletionRequest) -> int:
 def requests_of(content: Any) -> list[Any] | None:
     """The request list `content` holds, or None if it holds none."""
     return list(content) if isinstance(content, list) else None
-
-
-def labels_of(request: CreateBatchCompletionRequest) -> Mapping[str, str]:
-    return dict(request.labels)

@@ -6,18 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from service.api.batch.store import JOBS_DIRECTORY
-from service.api.errors import RequestValidationError
 from service.api.validation import Violations
-
-
-def inside_root(root: Path, given: str, field: str) -> Path:
-    """`given` (absolute, or relative to the root) as a path inside `root`, else a 422 naming
-    `field`."""
-    found = Violations()
-    path = confined(root, given, field, found)
-    if path is None:
-        raise RequestValidationError(found.items)
-    return path
 
 
 def confined(root: Path, given: str, field: str, found: Violations) -> Path | None:
