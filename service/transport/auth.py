@@ -20,7 +20,6 @@ from service.api.batch.runner import Owner
 from service.api.errors import CompletionError
 from service.api.tenants import Caller, bind_caller, unbind_caller
 from service.settings import ServerSettings
-from service.transport.batch_lines import line_owner
 from service.transport.error_mapping import abort_with
 from service.transport.interception import StreamBehaviour, StreamInterceptor
 from service.transport.observability import AUTH_FAILURES
@@ -106,7 +105,7 @@ class ApiKeyInterceptor(StreamInterceptor):
     ) -> AsyncIterator[Message]:
         metadata = tuple(context.invocation_metadata() or ())
         record = current_record()
-        owner = line_owner(metadata)
+        owner = record.line_owner  # read off the metadata with the record
         if owner is not None:  # a batch job's line, run for the job's owner
             caller = await self.owners_caller(owner, context)
             record.principal, record.tenant, record.key_id = (

@@ -27,6 +27,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from service.api.backlog import Backlog
+from service.api.batch.runner import Owner
 from service.transport.frontend_metrics import MULTIPROCESS_ENV
 from service.transport.rest_bridge import END_OF_EVENTS
 
@@ -249,7 +250,8 @@ class RequestRecord:
     completion_tokens: int = 0
     images: int = 0
     image_tokens: int = 0
-    batch: bool = False  # a batch job's line (service.transport.batch_lines)
+    # For a batch job's line (service.transport.batch_lines): whose job it is, read once.
+    line_owner: Owner | None = None
     prompts: list[str] | None = None  # only kept when prompts are logged
     output: str = ""
 
@@ -287,7 +289,7 @@ class RequestRecord:
         PROMPT_TOKENS.labels(self.tenant).inc(self.prompt_tokens)
         CACHED_PROMPT_TOKENS.labels(self.tenant).inc(self.cached_tokens)
         COMPLETION_TOKENS.labels(self.tenant).inc(self.completion_tokens)
-        if self.batch:
+        if self.line_owner is not None:
             BATCH_TOKENS.labels(self.tenant, "prompt").inc(self.prompt_tokens)
             BATCH_TOKENS.labels(self.tenant, "completion").inc(self.completion_tokens)
         if self.images:

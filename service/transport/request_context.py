@@ -92,7 +92,7 @@ class RequestContextInterceptor(StreamInterceptor):
         endpoint = endpoint_models.bind(passed_listing(context))
         code = "UNKNOWN"
         IN_FLIGHT.inc()
-        interactive = method in GENERATING_METHODS and not record.batch
+        interactive = method in GENERATING_METHODS and record.line_owner is None
         INTERACTIVE_CALLS.running += interactive
         try:
             async for message in inner(request, context):
@@ -121,5 +121,5 @@ class RequestContextInterceptor(StreamInterceptor):
             user=caller_text(getattr(request, "user", "")),
             stream=getattr(request, "stream", False),
             prompts=logged_prompts(request) if self._log_prompts else None,
-            batch=line_owner(tuple(context.invocation_metadata() or ())) is not None,
+            line_owner=line_owner(tuple(context.invocation_metadata() or ())),
         )

@@ -408,14 +408,17 @@ def test_a_held_back_line_runs_again_and_an_erring_line_fails_alone(tmp_path: Pa
     assert output_of(job) == [{"text": "0"}, {"text": "1"}, error]
 
 
-def test_a_cancelled_job_marks_the_lines_it_did_not_run_499(tmp_path: Path) -> None:
-    store, job = stored_job(tmp_path, 4)
+def stopped_mid_line(
+    store: JobStore, job: Job, reason: str, answered: frozenset[str] = frozenset()
+) -> asyncio.Task[None]:
+    """Run the job until a line it does not answer (prompts not in `answered`) is in flight,
+    then stop it for `reason`; its task, once done."""
 
-    async def main() -> None:
+    async def main() -> asyncio.Task[None]:
         waiting, release = asyncio.Event(), asyncio.Event()
 
         async def caller(kind: str, body: dict[str, Any], owner: Owner) -> dict[str, Any]:
-            if body["prompt"] == "0":
+            if body["prompt"] in answered:
                 return answer(body)
             waiting.set()
             return await never(release)
@@ -424,10 +427,17 @@ def test_a_cancelled_job_marks_the_lines_it_did_not_run_499(tmp_path: Path) -> N
         runner.start(job)
         task = runner.tasks[job.job_id]
         await asyncio.wait_for(waiting.wait(), WAIT_SECONDS)
-        assert runner.stop(job.job_id, "cancelled") is task
-        await asyncio.wait_for(task, WAIT_SECONDS)
+        assert runner.stop(job.job_id, reason) is task
+        await asyncio.wait({task}, timeout=WAIT_SECONDS)
+        return task
 
-    asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_a_cancelled_job_marks_the_lines_it_did_not_run_499(tmp_path: Path) -> None:
+    store, job = stored_job(tmp_path, 4)
+    task = stopped_mid_line(store, job, "cancelled", frozenset({"0"}))
+    assert task.done() and not task.cancelled()
     ended = store.load(job.job_id)
     assert ended is not None
     assert (ended.status, ended.completed, ended.failed) == ("cancelled", 1, 0)
@@ -498,23 +508,7 @@ def test_a_job_asked_to_cancel_while_nobody_ran_it_ends_without_a_call(tmp_path:
 
 def test_a_shutdown_leaves_the_job_unfinished_and_its_output_unwritten(tmp_path: Path) -> None:
     store, job = stored_job(tmp_path, 3)
-
-    async def main() -> None:
-        waiting, release = asyncio.Event(), asyncio.Event()
-
-        async def caller(kind: str, body: dict[str, Any], owner: Owner) -> dict[str, Any]:
-            waiting.set()
-            return await never(release)
-
-        runner = Runner(store, caller, window=2)
-        runner.start(job)
-        task = runner.tasks[job.job_id]
-        await asyncio.wait_for(waiting.wait(), WAIT_SECONDS)
-        runner.stop(job.job_id, "shutdown")
-        await asyncio.wait({task}, timeout=WAIT_SECONDS)
-        assert task.cancelled()
-
-    asyncio.run(main())
+    assert stopped_mid_line(store, job, "shutdown").cancelled()
     ended = store.load(job.job_id)
     assert ended is not None and ended.status == "running"
     assert not ended.terminal
