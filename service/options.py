@@ -741,8 +741,8 @@ def add_batch_options(serve: argparse.ArgumentParser) -> None:
         "--batch-takeover-seconds",
         "BATCH_TAKEOVER_SECONDS",
         defaults.takeover_seconds,
-        "how often unfinished jobs that no process runs are looked for and resumed (a replica "
-        "sharing the batch root died)",
+        "how often shards of unfinished jobs that no process runs are looked for and taken: "
+        "another replica's new job's (data_parallelism above 1), or a dead process's",
         positive_float,
     )
 

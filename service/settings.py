@@ -150,8 +150,9 @@ class BatchSettings:
     root: Path
     max_lines: int = 50_000
     max_input_bytes: int = 256 * 1024 * 1024
-    # How often unfinished jobs nobody runs are looked for (a replica on the root died).
-    takeover_seconds: float = 30.0
+    # How often shards nobody runs are looked for: another replica's new job's (split over
+    # data_parallelism), or those of a process on the root that died.
+    takeover_seconds: float = 5.0
 
 
 def default_batch_root() -> Path:

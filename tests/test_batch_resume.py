@@ -64,7 +64,7 @@ def job(stack: TestStack, job_id: str) -> BatchCompletionJob:
 
 
 def recorded(root: Path, job_id: str) -> list[int]:
-    record = root / JOBS_DIRECTORY / job_id / "results.jsonl"
+    record = root / JOBS_DIRECTORY / job_id / "results-0.jsonl"  # its only shard
     return [json.loads(line)["index"] for line in record.read_text().splitlines()]
 
 

@@ -310,7 +310,8 @@ def test_llm_engine_clients_job_request_asks_for_nothing_the_engine_lacks() -> N
         ({"gpus": 1}, ("gpus",)),
         ({"tool_config": {"name": "code_evaluator"}}, ("tool_config",)),
         ({"nodes_per_worker": 2}, ("nodes_per_worker",)),
-        ({"data_parallelism": 2}, ("data_parallelism",)),
+        ({"data_parallelism": 0}, ("data_parallelism",)),
+        ({"data_parallelism": 65}, ("data_parallelism",)),
         ({"max_runtime_sec": 0}, ("max_runtime_sec",)),
         ({"max_runtime_sec": 200000}, ("max_runtime_sec",)),
     ],
@@ -335,6 +336,7 @@ def test_a_job_is_stored_and_loaded_whole(tmp_path: Path) -> None:
     assert store.load(job.job_id) == job
     job.status, job.completed = "running", 1
     store.save(job)
+    store.save_progress(job.job_id, 0, completed=1, failed=0)  # while it runs: its shards'
     assert store.load(job.job_id) == job
     assert store.lines(job.job_id) == [{"prompt": "0", "model": "m"}, {"prompt": "1", "model": "m"}]
     assert store.load("batch-absent") is None
@@ -344,12 +346,12 @@ def test_the_record_skips_a_torn_last_line_and_keeps_each_lines_last_result(
     tmp_path: Path,
 ) -> None:
     store, job = stored_job(tmp_path, 3)
-    with store.open_record(job.job_id) as record:
+    with store.open_record(job.job_id, 0) as record:
         record_line(record, 0, {"error": {"status_code": 500, "detail": "x"}})
         record_line(record, 1, {"response": {"text": "b"}})
         record_line(record, 0, {"response": {"text": "a"}})
         record.write('{"index": 2, "result": {"respo')
-    assert store.results(job.job_id) == {
+    assert store.results(job) == {
         0: {"response": {"text": "a"}},
         1: {"response": {"text": "b"}},
     }
@@ -357,9 +359,11 @@ def test_the_record_skips_a_torn_last_line_and_keeps_each_lines_last_result(
 
 def test_only_the_first_holder_holds_a_job(tmp_path: Path) -> None:
     store, job = stored_job(tmp_path, 1)
-    with store.held(job.job_id) as first, store.held(job.job_id) as second:
+    with store.held(job.job_id, 0) as first, store.held(job.job_id, 0) as second:
         assert (first, second) == (True, False)
-    with store.held(job.job_id) as again:
+        with store.held(job.job_id, 1) as other_shard:
+            assert other_shard
+    with store.held(job.job_id, 0) as again:
         assert again
 
 
@@ -386,7 +390,7 @@ def test_a_job_runs_every_line_with_at_most_a_window_in_flight(tmp_path: Path) -
     assert (ended.status, ended.completed, ended.failed) == ("completed", 7, 0)
     assert ended.completed_at is not None
     assert output_of(job) == [{"text": str(index)} for index in range(7)]
-    assert store.results(job.job_id) == {i: answer({"prompt": str(i)}) for i in range(7)}
+    assert store.results(job) == {i: answer({"prompt": str(i)}) for i in range(7)}
 
 
 def test_a_held_back_line_runs_again_and_an_erring_line_fails_alone(tmp_path: Path) -> None:
@@ -427,6 +431,8 @@ def stopped_mid_line(
         runner.start(job)
         task = runner.tasks[job.job_id]
         await asyncio.wait_for(waiting.wait(), WAIT_SECONDS)
+        if reason == "cancelled":  # as the API asks it
+            store.ask_to_stop(job.job_id, CANCEL_MARKER)
         assert runner.stop(job.job_id, reason) is task
         await asyncio.wait({task}, timeout=WAIT_SECONDS)
         return task
@@ -468,7 +474,7 @@ def test_a_job_past_its_max_runtime_fails_with_its_lines_not_run_504(tmp_path: P
 def test_a_resumed_job_runs_only_the_lines_its_record_lacks(tmp_path: Path) -> None:
     store, job = stored_job(tmp_path, 4, status="running")
     earlier = {0: answer({"prompt": "0"}), 2: {"error": {"status_code": 400, "detail": "x"}}}
-    with store.open_record(job.job_id) as record:
+    with store.open_record(job.job_id, 0) as record:
         for index, result in earlier.items():
             record_line(record, index, result)
     called: list[str] = []
@@ -513,7 +519,7 @@ def test_a_shutdown_leaves_the_job_unfinished_and_its_output_unwritten(tmp_path:
     assert ended is not None and ended.status == "running"
     assert not ended.terminal
     assert not Path(job.output_file).exists()
-    assert store.results(job.job_id) == {}
+    assert store.results(job) == {}
 
 
 # jobs
@@ -570,7 +576,7 @@ def test_cancelling_a_job_nobody_runs_ends_it_and_writes_its_output(tmp_path: Pa
     jobs = batch_jobs(tmp_path)
     job = make_job(tmp_path, 2)
     jobs.store.create(job, [{"prompt": "a"}, {"prompt": "b"}])
-    with jobs.store.open_record(job.job_id) as record:
+    with jobs.store.open_record(job.job_id, 0) as record:
         record_line(record, 0, answer({"prompt": "a"}))
 
     async def main() -> tuple[bool, bool]:
@@ -767,14 +773,98 @@ def test_a_job_cancelled_before_its_task_ran_reads_cancelled_at_once(tmp_path: P
     assert jobs.runner.stops == {}
 
 
+class CountedEnds:
+    def __init__(self) -> None:
+        self.ended: list[str] = []
+
+    def line_finished(self, result: str) -> None:
+        pass
+
+    def job_ended(self, status: str) -> None:
+        self.ended.append(status)
+
+
+def test_a_jobs_shards_spread_over_processes_and_the_last_one_out_ends_it(
+    tmp_path: Path,
+) -> None:
+    """Two runners on one store (as two replicas on a shared root): each takes a shard of the
+    job's two, every line runs once, and the job ends once, with its output whole."""
+    store, job = stored_job(tmp_path, 12, shards=2)
+    ran: dict[int, list[int]] = {0: [], 1: []}
+    ends = CountedEnds()
+
+    def caller_of(name: int) -> Caller:
+        async def caller(kind: str, body: dict[str, Any], owner: Owner) -> dict[str, Any]:
+            ran[name].append(int(body["prompt"]))
+            await asyncio.sleep(0.01 * (1 + name))
+            return answer(body)
+
+        return caller
+
+    async def main() -> None:
+        runners = [Runner(JobStore(tmp_path), caller_of(n), window=2, counts=ends) for n in (0, 1)]
+        for runner in runners:
+            runner.start(job)
+        tasks = [asyncio.shield(runner.tasks[job.job_id]) for runner in runners]
+        await asyncio.wait_for(asyncio.gather(*tasks), WAIT_SECONDS)
+
+    asyncio.run(main())
+    assert sorted(ran[0]) == list(range(0, 12, 2)) and sorted(ran[1]) == list(range(1, 12, 2))
+    assert ends.ended == ["completed"]
+    ended = store.load(job.job_id)
+    assert ended is not None and (ended.status, ended.completed) == ("completed", 12)
+    assert output_of(job) == [{"text": str(index)} for index in range(12)]
+
+
+def test_a_lone_process_runs_every_shard_and_a_failing_shard_fails_the_job(
+    tmp_path: Path,
+) -> None:
+    store, job = stored_job(tmp_path, 6, shards=3)
+    order: list[int] = []
+
+    async def caller(kind: str, body: dict[str, Any], owner: Owner) -> dict[str, Any]:
+        order.append(int(body["prompt"]))
+        return answer(body)
+
+    asyncio.run(run_to_end(Runner(store, caller, window=1), job))
+    assert order == [0, 3, 1, 4, 2, 5]  # shard after shard
+    assert output_of(job) == [{"text": str(index)} for index in range(6)]
+
+    failing, failing_job = stored_job(tmp_path / "failing", 6, shards=2)
+
+    async def fail(*args: Any) -> None:
+        raise RuntimeError("the record's disk is full")
+
+    runner = Runner(failing, caller, window=1)
+    runner.run_lines = fail  # type: ignore[method-assign]
+
+    asyncio.run(run_to_end(runner, failing_job))
+    ended = failing.load(failing_job.job_id)
+    assert ended is not None and ended.status == "failed"
+    assert ended.error == "RuntimeError: the record's disk is full"
+    assert [item["error"]["status_code"] for item in output_of(failing_job)] == [500] * 6
+
+
+def test_a_shard_is_free_work_unless_held_or_done(tmp_path: Path) -> None:
+    jobs = batch_jobs(tmp_path)
+    job = make_job(tmp_path, 4, shards=2)
+    jobs.store.create(job, [{"prompt": str(index)} for index in range(4)])
+    assert jobs.has_free_work(job)  # nobody runs it
+    with jobs.store.held(job.job_id, 0):
+        assert jobs.has_free_work(job)  # shard 1 waits
+        jobs.store.save_progress(job.job_id, 1, completed=1, failed=1)
+        assert not jobs.has_free_work(job)  # shard 1 is done; shard 0 runs
+    assert jobs.has_free_work(job)  # nobody runs shard 0 any more
+
+
 def test_a_result_after_a_torn_line_starts_a_line_of_its_own(tmp_path: Path) -> None:
     store, job = stored_job(tmp_path, 3)
-    with store.open_record(job.job_id) as record:
+    with store.open_record(job.job_id, 0) as record:
         record_line(record, 0, answer({"prompt": "0"}))
         record.write('{"index": 1, "res')  # the crash
-    with store.open_record(job.job_id) as record:
+    with store.open_record(job.job_id, 0) as record:
         record_line(record, 2, answer({"prompt": "2"}))
-    assert set(store.results(job.job_id)) == {0, 2}
+    assert set(store.results(job)) == {0, 2}
 
 
 def test_lines_yield_to_interactive_calls_down_to_an_eighth_of_the_window(tmp_path: Path) -> None:

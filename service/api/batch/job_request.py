@@ -15,6 +15,8 @@ from service.api.validation import Violations
 
 DEFAULT_MAX_RUNTIME_SEC = 86_400
 MAX_RUNTIME_SEC = 172_800
+# A job's lines split into at most this many shards, each run by one process at a time.
+MAX_DATA_PARALLELISM = 64
 # LLM Engine's model_config fields that need no engine change: the model (checked as served),
 # a shard count (a suggestion, as LLM Engine documents it), labels, a seed (a line's own wins).
 FREE_FIELDS = frozenset({"model", "num_shards", "labels", "seed"})
@@ -50,10 +52,11 @@ def check_job_request(
             )
     if request.HasField("nodes_per_worker") and request_value(request, "nodes_per_worker"):
         found.add(("nodes_per_worker",), "nodes_per_worker must be null or 1")
-    if request.HasField("data_parallelism") and request.data_parallelism != 1:
+    if not 1 <= data_parallelism(request) <= MAX_DATA_PARALLELISM:
         found.add(
             ("data_parallelism",),
-            "data_parallelism must be 1: a job's lines run on the replica that took it",
+            f"data_parallelism must be 1 to {MAX_DATA_PARALLELISM}: how many replicas (or "
+            "frontend processes) may run the job's lines at once",
         )
     runtime = max_runtime_sec(request)
     if not 1 <= runtime <= MAX_RUNTIME_SEC:
@@ -88,6 +91,10 @@ def max_runtime_sec(request: CreateBatchCompletionRequest) -> int:
     if request.HasField("max_runtime_sec"):
         return request.max_runtime_sec
     return DEFAULT_MAX_RUNTIME_SEC
+
+
+def data_parallelism(request: CreateBatchCompletionRequest) -> int:
+    return request.data_parallelism if request.HasField("data_parallelism") else 1
 
 
 def requests_of(content: Any) -> list[Any] | None:

@@ -27,12 +27,12 @@ from llmcompletions.v2.completions_pb2 import (
 from service.api.batch.job_request import (
     EngineFacts,
     check_job_request,
+    data_parallelism,
     max_runtime_sec,
     model_config_of,
     requests_of,
 )
 from service.api.batch.lines import Line, checked_lines, read_input_file
-from service.api.batch.output import write_output
 from service.api.batch.paths import confined
 from service.api.batch.runner import Owner, Runner
 from service.api.batch.store import CANCEL_MARKER, Job
@@ -180,6 +180,7 @@ class BatchJobs:
             max_runtime_sec=runtime,
             total=len(lines),
             kinds=[line.kind for line in lines],
+            shards=max(1, min(data_parallelism(request), len(lines))),
         )
 
     def owned(self, job_id: str, owner: Owner) -> Job:
@@ -196,28 +197,22 @@ class BatchJobs:
         job = self.owned(job_id, owner)
         if priority is None:
             return job, False
-        job.priority = priority
-        self.store.save(job)
-        return job, True
+        with self.store.changing(job_id) as changed:
+            assert changed is not None
+            changed.priority = priority
+        return self.owned(job_id, owner), True
 
     async def cancel(self, job_id: str, owner: Owner) -> bool:
         """Cancel the job; once this returns, it reads as cancelled (unless it ended first)."""
         job = self.owned(job_id, owner)
         if job.terminal:
             return False
-        (self.store.directory(job_id) / CANCEL_MARKER).touch()
+        self.store.ask_to_stop(job_id, CANCEL_MARKER)
         task = self.runner.stop(job_id, "cancelled")
         if task is not None:
             await asyncio.wait({task}, timeout=CANCEL_WAIT_SECONDS)
-        with self.store.held(job_id) as mine:
-            if mine:  # nobody runs it: it ends here
-                job = self.store.load(job_id) or job
-                if not job.terminal:
-                    job.status, job.completed_at = "cancelled", time.time()
-                    write_output(job, self.store.results(job_id), "cancelled")
-                    self.store.save(job)
-                    self.changed(job)
-        # Else another process runs it, and stops at the marker within a second.
+        await self.runner.end_if_idle(job_id)  # nobody runs it: it ends here
+        # Else other processes run its shards, stop at the marker within a second, and end it.
         deadline = time.monotonic() + CANCEL_WAIT_SECONDS
         while time.monotonic() < deadline and not self.owned(job_id, owner).terminal:
             await asyncio.sleep(0.1)
@@ -236,25 +231,38 @@ class BatchJobs:
                 yield job
 
     def resume(self) -> int:
-        """Start every unfinished job of a model served here that no process runs (another
-        process, or replica on the same root, holds the ones it runs); how many were started."""
+        """Start every unfinished job of a model served here that has a shard nobody runs (a
+        new job's other shards, or a dead process's); how many were started."""
         started = 0
-        for job in self.store.all():
-            if job.terminal or job.job_id in self.runner.tasks:
+        for job in self.store.unfinished():
+            if job.job_id in self.runner.tasks:
                 continue
-            if not self.serves(str(job.model_config.get("model", ""))):
-                continue
-            with self.store.held(job.job_id) as free:
-                if not free:
-                    continue
-            self.runner.start(job)
-            started += 1
+            if self.serves(str(job.model_config.get("model", ""))) and self.has_free_work(job):
+                self.runner.start(job)
+                started += 1
         return started
 
+    def has_free_work(self, job: Job) -> bool:
+        """Whether a shard with lines left is free, or every shard is (the job may be over,
+        its output not written: its last process died on the way)."""
+        free = [shard for shard in range(job.shards) if self.is_free(job, shard)]
+        if len(free) == job.shards:
+            return True
+        lines_left = {shard: len(job.shard_lines(shard)) for shard in free}
+        for shard in free:
+            completed, failed = self.store.shard_counts(job.job_id, shard)
+            if completed + failed < lines_left[shard]:
+                return True
+        return False
+
+    def is_free(self, job: Job, shard: int) -> bool:
+        with self.store.held(job.job_id, shard) as free:
+            return free
+
     async def take_over(self) -> None:
-        """Resume, now and then, the jobs whose process died: on a root shared by several
-        replicas, a dead replica's lock goes with it, and another replica takes its jobs."""
+        """Look, now and then, for shards nobody runs: another replica's new job's, or a dead
+        process's (its locks go with it) on a root several replicas share."""
         while True:
             await asyncio.sleep(self.settings.takeover_seconds)
             if started := self.resume():
-                logger.info("took over %d unfinished batch jobs", started)
+                logger.info("took up %d unfinished batch jobs", started)

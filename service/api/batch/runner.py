@@ -1,9 +1,12 @@
-"""Runs a job's lines: those the durable record does not hold yet, in input order, at most a
-window of them in flight, each through the synchronous call path (`LineCaller`); each finished
-line goes into the record at once (synced about every second), and when the job ends (done,
-cancelled, expired, failed) its output file is written from the record, the lines that did not
-run marked as such. A line the caller's limits or a busy engine hold back waits and runs again;
-any other refusal is that line's error, and the job goes on."""
+"""Runs a job's shards (line i is in shard i mod the job's data_parallelism): each process of
+every replica on the root takes one free shard of a job at a time, and runs the lines its
+durable record does not hold yet, in input order, each through the synchronous call path
+(`LineCaller`), at most a window of them in flight in the process. Each finished line goes into
+the shard's record at once (synced about every second). When no process runs any of its shards
+any more and the job has ended (every line done, cancelled, expired, failed), whoever released
+the last shard writes its output file from the records, the lines that did not run marked as
+such. A line the caller's limits or a busy engine hold back waits and runs again; any other
+refusal is that line's error, and the job goes on."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TextIO
 
 from service.api.batch.output import write_output
-from service.api.batch.store import Job, JobStore, record_line, sync
+from service.api.batch.store import FAILURE_MARKER, Job, JobStore, record_line, sync
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +89,7 @@ class Runner:
         self.store = store
         self.call_line = call_line
         self.window = window
+        self.slots: asyncio.Semaphore | None = None  # the window, made in the running loop
         self.yielding_window = max(1, window // YIELDING_SHARE)
         self.interactive_calls = interactive_calls  # this process's calls that are no lines
         self.lines_in_flight = 0  # of every job this process runs
@@ -97,7 +101,7 @@ class Runner:
 
     def start(self, job: Job) -> None:
         if job.job_id not in self.tasks:
-            task = asyncio.create_task(self.run(job), name=f"batch-{job.job_id}")
+            task = asyncio.create_task(self.run(job.job_id), name=f"batch-{job.job_id}")
             self.tasks[job.job_id] = task
             task.add_done_callback(lambda _: self.ended(job.job_id))
 
@@ -106,8 +110,9 @@ class Runner:
         self.stops.pop(job_id, None)
 
     def stop(self, job_id: str, reason: str) -> asyncio.Task[None] | None:
-        """Stop a job's run: "cancelled", "expired", or "shutdown" (the replica stops: the job
-        stays unfinished, to resume). Its task, if this process was running it."""
+        """Stop this process's run of a job: "cancelled", "expired", "failed" (another shard
+        failed), or "shutdown" (the replica stops: the job stays unfinished, to resume). Its
+        task, if this process was running the job."""
         task = self.tasks.get(job_id)
         if task is not None:
             self.stops[job_id] = reason
@@ -120,49 +125,57 @@ class Runner:
             self.stop(job_id, "shutdown")
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def run(self, job: Job) -> None:
-        """Run the job to its end, unless another process holds it."""
-        with self.store.held(job.job_id) as mine:
-            if not mine:
-                return
-            fresh = self.store.load(job.job_id)
-            if fresh is None or fresh.terminal:
-                return
-            await self.run_held(fresh)
+    async def run(self, job_id: str) -> None:
+        """Run each of the job's shards that nobody else runs, one after another; then end the
+        job if it has ended and no process runs it any more."""
+        job = self.store.load(job_id)
+        for shard in range(job.shards if job is not None else 0):
+            with self.store.held(job_id, shard) as mine:
+                fresh = self.store.load(job_id)
+                if not mine or fresh is None or fresh.terminal:
+                    continue
+                if not await self.run_shard(fresh, shard):
+                    break  # stopped: cancelled, expired, failed
+        await self.end_if_idle(job_id)
 
-    async def run_held(self, job: Job) -> None:
-        results = self.store.results(job.job_id)
-        if self.store.cancel_asked(job.job_id):  # asked while nobody ran it
-            self.finish(job, "cancelled", results)
-            return
+    async def run_shard(self, job: Job, shard: int) -> bool:
+        """Run the shard's unrecorded lines; whether they all ran (else the job was stopped)."""
+        shard_range = range(shard, shard + 1)
+        results = self.store.results(job, shard_range)
+        pending = [index for index in job.shard_lines(shard) if index not in results]
+        if not pending or self.store.stop_asked(job.job_id):
+            return not pending
+        await asyncio.to_thread(self.mark_running, job.job_id)
+        counts = ShardCounts(job, shard, results)
+        counts.save(self.store)
         lines = self.store.lines(job.job_id)
-        job.completed = sum("response" in result for result in results.values())
-        job.failed = len(results) - job.completed
-        job.status = "running"
-        self.publish(job)
         owner = Owner(job.owner, job.tenant, job.key_id)
-        pending = [index for index in range(len(lines)) if index not in results]
         deadline = asyncio.get_running_loop().call_later(
             max(0.0, job.expires_at - time.time()), self.stop, job.job_id, "expired"
         )
-        with self.store.open_record(job.job_id) as record:
+        with self.store.open_record(job.job_id, shard) as record:
             syncing = asyncio.create_task(self.sync_every_second(record, job.job_id))
             try:
-                await self.run_lines(job, lines, pending, owner, record, results)
-                ended = "completed"
+                await self.run_lines(job, lines, pending, owner, record, counts)
+                return True
             except asyncio.CancelledError:
-                ended = self.stops.pop(job.job_id, "shutdown")
-                if ended == "shutdown":
+                if self.stops.pop(job.job_id, "shutdown") == "shutdown":
                     raise
+                return False
             except Exception as error:
                 logger.exception("batch job %s failed", job.job_id)
-                job.error = f"{type(error).__name__}: {error}"
-                ended = "failed"
+                why = f"{type(error).__name__}: {error}"
+                self.store.ask_to_stop(job.job_id, FAILURE_MARKER, why)
+                return False
             finally:
                 deadline.cancel()
                 syncing.cancel()
                 sync(record)
-        self.finish(job, ended, results)
+
+    def mark_running(self, job_id: str) -> None:
+        with self.store.changing(job_id) as job:
+            if job is not None and job.status == "queued":
+                job.status = "running"
 
     async def run_lines(
         self,
@@ -171,9 +184,11 @@ class Runner:
         pending: list[int],
         owner: Owner,
         record: TextIO,
-        results: dict[int, dict[str, Any]],
+        counts: ShardCounts,
     ) -> None:
-        window = asyncio.Semaphore(self.window)
+        if self.slots is None:
+            self.slots = asyncio.Semaphore(self.window)
+        window = self.slots
         in_flight: set[asyncio.Task[None]] = set()
         watching = asyncio.create_task(self.watch_interactive_calls())
 
@@ -187,14 +202,11 @@ class Runner:
             finally:
                 self.lines_in_flight -= 1
                 window.release()
-            results[index] = result
             record_line(record, index, result)
-            if "response" in result:
-                job.completed += 1
-            else:
-                job.failed += 1
+            counts.add(result)
+            counts.save(self.store)
             self.counts.line_finished("completed" if "response" in result else "failed")
-            self.publish(job)
+            self.changed(job)
 
         try:
             for index in pending:
@@ -239,25 +251,75 @@ class Runner:
                 await asyncio.sleep(held_back.seconds)
 
     async def sync_every_second(self, record: TextIO, job_id: str) -> None:
-        """Sync the record; stop the job if a cancel was asked in another process."""
+        """Sync the record; stop the job if another process asked to (a cancel, a failure)."""
         while True:
             await asyncio.sleep(SYNC_SECONDS)
             sync(record)
-            if self.store.cancel_asked(job_id):
-                self.stop(job_id, "cancelled")
+            if reason := self.store.stop_asked(job_id):
+                self.stop(job_id, reason)
 
-    def finish(self, job: Job, ended: str, results: dict[int, dict[str, Any]]) -> None:
+    async def end_if_idle(self, job_id: str) -> Job | None:
+        """End the job if it has ended and no process runs any of its shards: its output
+        written, its status final. The job, if it was ended here."""
+        job = await asyncio.to_thread(self.closed_if_idle, job_id)
+        if job is not None:
+            self.changed(job)
+            self.counts.job_ended(job.status)
+        return job
+
+    def closed_if_idle(self, job_id: str) -> Job | None:
+        job = self.store.load(job_id)
+        if job is None or job.terminal:
+            return None
+        with self.store.idle(job) as idle:
+            fresh = self.store.load(job_id) if idle else None
+            if fresh is None or fresh.terminal:
+                return None
+            results = self.store.results(fresh)
+            ended = self.ending(fresh, results)
+            if ended is not None:
+                self.close(fresh, ended, results)
+                return fresh
+        return None
+
+    def ending(self, job: Job, results: dict[int, dict[str, Any]]) -> str | None:
+        """How the job ended: "completed", "cancelled", "failed", "expired"; None while it has
+        lines to run (its runs were stopped with their replica: it resumes)."""
+        if len(results) == job.total:
+            return "completed"
+        if stopped := self.store.stop_asked(job.job_id):
+            return stopped
+        return "expired" if time.time() >= job.expires_at else None
+
+    def close(self, job: Job, ended: str, results: dict[int, dict[str, Any]]) -> None:
         job.status = "failed" if ended == "expired" else ended
         if ended == "expired":
             job.error = f"max_runtime_sec ({job.max_runtime_sec}) passed before every line ran"
+        elif ended == "failed":
+            job.error = self.store.failure(job.job_id)
+        job.completed = sum("response" in result for result in results.values())
+        job.failed = len(results) - job.completed
         job.completed_at = time.time()
         try:
             write_output(job, results, ended)
         except OSError as error:
             job.status, job.error = "failed", f"the output file could not be written: {error}"
-        self.publish(job)
-        self.counts.job_ended(job.status)
-
-    def publish(self, job: Job) -> None:
         self.store.save(job)
-        self.changed(job)
+
+
+class ShardCounts:
+    """The lines of one shard done so far, for the job's readers."""
+
+    def __init__(self, job: Job, shard: int, results: dict[int, dict[str, Any]]) -> None:
+        self.job, self.shard = job, shard
+        self.completed: int = sum("response" in result for result in results.values())
+        self.failed: int = len(results) - self.completed
+
+    def add(self, result: dict[str, Any]) -> None:
+        if "response" in result:
+            self.completed += 1
+        else:
+            self.failed += 1
+
+    def save(self, store: JobStore) -> None:
+        store.save_progress(self.job.job_id, self.shard, self.completed, self.failed)
