@@ -51,7 +51,7 @@ serve: install
 
 # Unit tests first (seconds); a failure there stops before the stack starts. The slowest tests
 # are listed at the end, to keep the suite's time in view.
-test: install checkov llmengine lint
+test: install checkov llmengine moto lint
 	$(BIN)/python -m pytest -q $(UNIT_PARALLEL) $(UNIT_TESTS)
 	$(BIN)/python -m tests.shards --durations=15
 
@@ -68,6 +68,18 @@ $(LLMENGINE_VENV)/.installed: requirements/llmengine.txt
 	$(PYTHON) -m venv $(LLMENGINE_VENV)
 	$(LLMENGINE_VENV)/bin/pip install --quiet --upgrade pip
 	$(LLMENGINE_VENV)/bin/pip install --quiet -r requirements/llmengine.txt
+	touch $@
+
+# An S3-compatible server (moto's), for the batch jobs' bucket test (tests/test_batch_resume.py),
+# in a venv of its own: its Flask and boto3 are no part of the service.
+MOTO_VENV := $(VENV)/tools/moto
+.PHONY: moto
+moto: $(MOTO_VENV)/.installed
+
+$(MOTO_VENV)/.installed: requirements/moto.txt
+	$(PYTHON) -m venv $(MOTO_VENV)
+	$(MOTO_VENV)/bin/pip install --quiet --upgrade pip
+	$(MOTO_VENV)/bin/pip install --quiet -r requirements/moto.txt
 	touch $@
 
 # checkov, for the Kubernetes checks of deploy/ (tests/unit/test_manifests.py), in a venv of

@@ -622,6 +622,23 @@ def host_names(text: str) -> tuple[str, ...]:
 
 host_names.__name__ = "host list"  # argparse: "invalid host list value"
 
+BUCKET = re.compile(r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^/\s]+)*$")
+
+
+def bucket_prefixes(text: str) -> tuple[str, ...]:
+    """s3://BUCKET or s3://BUCKET/PREFIX, separated by commas (a trailing slash dropped)."""
+    prefixes = tuple(item.strip().rstrip("/") for item in text.split(",") if item.strip())
+    for prefix in prefixes:
+        if not BUCKET.match(prefix) or {".", ".."} & set(prefix.split("/")[3:]):
+            raise argparse.ArgumentTypeError(
+                f"{prefix!r} is not a bucket; give s3://BUCKET or s3://BUCKET/PREFIX, e.g. "
+                "s3://team-jobs,s3://shared/evals"
+            )
+    return prefixes
+
+
+bucket_prefixes.__name__ = "bucket list"
+
 
 def items_per_prompt(text: str) -> dict[str, Any]:
     """vLLM's --limit-mm-per-prompt form: a JSON object of counts (or of {"count": N, ...})
@@ -722,6 +739,16 @@ def add_batch_options(serve: argparse.ArgumentParser) -> None:
     )
     add_option(
         serve,
+        "--batch-buckets",
+        "BATCH_BUCKETS",
+        defaults.buckets,
+        "S3 buckets (s3://BUCKET or s3://BUCKET/PREFIX, comma-separated) where batch jobs' files "
+        "may also be, read and written with the environment's AWS settings (AWS_ENDPOINT_URL "
+        "for another S3-compatible store); none by default",
+        bucket_prefixes,
+    )
+    add_option(
+        serve,
         "--batch-max-lines",
         "BATCH_MAX_LINES",
         defaults.max_lines,
@@ -750,6 +777,7 @@ def add_batch_options(serve: argparse.ArgumentParser) -> None:
 def batch_settings(args: argparse.Namespace) -> BatchSettings:
     return BatchSettings(
         root=args.batch_root.expanduser(),
+        buckets=args.batch_buckets,
         max_lines=args.batch_max_lines,
         max_input_bytes=args.batch_max_input_bytes,
         takeover_seconds=args.batch_takeover_seconds,

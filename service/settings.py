@@ -148,6 +148,8 @@ class BatchSettings:
     records are kept there too), and the size of one job."""
 
     root: Path
+    # s3://BUCKET or s3://BUCKET/PREFIX (no trailing slash): where else a job's files may be.
+    buckets: tuple[str, ...] = ()
     max_lines: int = 50_000
     max_input_bytes: int = 256 * 1024 * 1024
     # How often shards nobody runs are looked for: another replica's new job's (split over

@@ -187,7 +187,7 @@ def test_paths_outside_the_root_are_refused_before_anything_is_read_or_written(
 def test_model_config_asking_what_the_engine_cannot_give_is_refused(rest: httpx.Client) -> None:
     body = job_request(CHAT_LINES, output_data_path="x.json")
     body["model_config"].update(checkpoint_path="s3://other", max_context_length=10**6)
-    body["data_parallelism"] = 2
+    body["data_parallelism"] = 65  # 1 to 64
     response = rest.post("/v2/batch-completions", json=body)
     assert response.status_code == 422, response.text
     locs = {tuple(violation["loc"]) for violation in response.json()["detail"]}

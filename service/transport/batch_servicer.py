@@ -46,7 +46,7 @@ class BatchServicer(completions_pb2_grpc.BatchCompletionServiceServicer):
     async def CreateBatchCompletion(
         self, request: CreateBatchCompletionRequest, context: grpc.aio.ServicerContext
     ) -> BatchCompletionJob:
-        return job_message(self.jobs().create(request, caller()))
+        return job_message(await self.jobs().create(request, caller()))
 
     async def GetBatchCompletion(
         self, request: GetBatchCompletionRequest, context: grpc.aio.ServicerContext
@@ -65,7 +65,7 @@ class BatchServicer(completions_pb2_grpc.BatchCompletionServiceServicer):
         self, request: UpdateBatchCompletionRequest, context: grpc.aio.ServicerContext
     ) -> UpdateBatchCompletionResponse:
         priority = request.priority if request.HasField("priority") else None
-        job, changed = self.jobs().update(request.batch_completion_id, priority, caller())
+        job, changed = await self.jobs().update(request.batch_completion_id, priority, caller())
         reply = UpdateBatchCompletionResponse(job_id=job.job_id, status=job.status, success=changed)
         if job.priority is not None:
             reply.priority = job.priority

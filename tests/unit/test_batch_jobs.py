@@ -108,14 +108,43 @@ def test_a_relative_path_and_an_absolute_one_inside_the_root_are_taken(tmp_path:
     root = tmp_path / "root"
     root.mkdir()
     found = Violations()
-    assert confined(root, "out/x.json", "output_data_path", found) == root.resolve() / "out/x.json"
-    assert confined(root, str(root / "x.json"), "output_data_path", found) == (
-        root.resolve() / "x.json"
+    inside = str(root.resolve() / "x.json")
+    assert confined(root, (), "out/x.json", "output_data_path", found) == str(
+        root.resolve() / "out/x.json"
     )
-    assert confined(root, f"file://{root}/x.json", "output_data_path", found) == (
-        root.resolve() / "x.json"
-    )
+    assert confined(root, (), str(root / "x.json"), "output_data_path", found) == inside
+    assert confined(root, (), f"file://{root}/x.json", "output_data_path", found) == inside
     assert found.items == []
+
+
+def test_a_bucket_path_is_taken_only_under_an_allowed_bucket_and_prefix() -> None:
+    buckets = ("s3://jobs", "s3://shared/evals")
+    found = Violations()
+    for given in ("s3://jobs/in.jsonl", "s3://jobs/a/b.json", "s3://shared/evals/x.json"):
+        assert confined(Path("/nonexistent"), buckets, given, "input_data_path", found) == given
+    assert found.items == []
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        "s3://jobs",
+        "s3://jobs/",
+        "s3://jobsx/in.jsonl",
+        "s3://other/in.jsonl",
+        "s3://shared/in.jsonl",
+        "s3://shared/evalsx/in.jsonl",
+        "s3://shared/evals/../in.jsonl",
+        "s3://jobs/a//b.json",
+        "s3://jobs/./b.json",
+        "s3://jobs/a\nb.json",
+    ],
+)
+def test_a_bucket_path_outside_the_allowed_ones_is_refused_naming_the_field(given: str) -> None:
+    found = Violations()
+    buckets = ("s3://jobs", "s3://shared/evals")
+    assert confined(Path("/nonexistent"), buckets, given, "output_data_path", found) is None
+    assert [v.loc for v in found.items] == [("output_data_path",)]
 
 
 @pytest.mark.parametrize(
@@ -141,7 +170,7 @@ def test_a_path_leaving_the_root_or_not_a_local_file_is_refused_naming_the_field
     (root / "link").symlink_to(elsewhere)
     given = given.replace("OUTSIDE", str(elsewhere / "x.json"))
     found = Violations()
-    assert confined(root, given, "input_data_path", found) is None
+    assert confined(root, (), given, "input_data_path", found) is None
     assert [v.loc for v in found.items] == [("input_data_path",)]
 
 
@@ -155,8 +184,8 @@ def test_an_input_file_is_read_as_a_json_list_or_as_jsonl(tmp_path: Path) -> Non
     listed.write_text(json.dumps(requests, indent=2))
     jsonl = tmp_path / "lines.jsonl"
     jsonl.write_text("".join(json.dumps(request) + "\n\n" for request in requests))
-    assert read_input_file(listed, limits, "input_data_path") == requests
-    assert read_input_file(jsonl, limits, "input_data_path") == requests
+    assert read_input_file(str(listed), limits, "input_data_path") == requests
+    assert read_input_file(str(jsonl), limits, "input_data_path") == requests
 
 
 def test_an_input_file_too_large_or_neither_json_nor_jsonl_is_refused(tmp_path: Path) -> None:
@@ -170,7 +199,7 @@ def test_an_input_file_too_large_or_neither_json_nor_jsonl_is_refused(tmp_path: 
         (tmp_path / "absent.jsonl", BatchSettings(root=tmp_path)),
     ):
         with pytest.raises(RequestValidationError) as refused:
-            read_input_file(path, limits, "input_data_path")
+            read_input_file(str(path), limits, "input_data_path")
         assert [v.loc for v in refused.value.violations] == [("input_data_path",)]
 
 
@@ -564,12 +593,12 @@ def test_a_list_holds_only_the_owners_jobs_newest_first(tmp_path: Path) -> None:
 def test_an_update_changes_the_priority(tmp_path: Path) -> None:
     jobs = batch_jobs(tmp_path)
     jobs.store.create(make_job(tmp_path, 1), [{"prompt": "a"}])
-    job, changed = jobs.update("batch-a", "high", OWNER)
+    job, changed = asyncio.run(jobs.update("batch-a", "high", OWNER))
     assert changed and job.priority == "high"
     assert jobs.owned("batch-a", OWNER).priority == "high"
-    assert jobs.update("batch-a", None, OWNER)[1] is False
+    assert asyncio.run(jobs.update("batch-a", None, OWNER))[1] is False
     with pytest.raises(JobNotFoundError):
-        jobs.update("batch-a", "low", STRANGER)
+        asyncio.run(jobs.update("batch-a", "low", STRANGER))
 
 
 def test_cancelling_a_job_nobody_runs_ends_it_and_writes_its_output(tmp_path: Path) -> None:
@@ -597,7 +626,7 @@ def test_a_job_created_from_content_is_watched_until_it_ends(tmp_path: Path) -> 
     )
 
     async def main() -> tuple[Job, list[Job]]:
-        job = jobs.create(request, OWNER)
+        job = await jobs.create(request, OWNER)
         seen = []
 
         async def watch() -> None:
@@ -621,7 +650,7 @@ def test_creating_a_job_refuses_every_bad_field_together(tmp_path: Path) -> None
     body.update(output_data_path="../out.json", gpus=1)
     request = json_format.ParseDict(body, CreateBatchCompletionRequest())
     with pytest.raises(RequestValidationError) as refused:
-        batch_jobs(tmp_path).create(request, OWNER)
+        asyncio.run(batch_jobs(tmp_path).create(request, OWNER))
     assert sorted(v.loc for v in refused.value.violations) == [("gpus",), ("output_data_path",)]
     assert not any(JobStore(tmp_path).jobs.iterdir())
 
@@ -724,7 +753,7 @@ def test_the_jobs_records_and_directories_are_no_callers_file(tmp_path: Path, gi
     (tmp_path / "sub").mkdir()
     JobStore(tmp_path)  # makes .batch-jobs
     found = Violations()
-    assert confined(tmp_path, given, "output_data_path", found) is None
+    assert confined(tmp_path, (), given, "output_data_path", found) is None
     assert found.items and found.items[0].loc == ("output_data_path",)
 
 
@@ -737,7 +766,7 @@ def test_a_job_file_that_is_not_a_job_is_no_job(tmp_path: Path) -> None:
 def test_an_input_file_that_is_no_utf8_text_is_refused(tmp_path: Path) -> None:
     (tmp_path / "in.bin").write_bytes(b"\xff\xfe\x00bad")
     with pytest.raises(RequestValidationError) as refused:
-        read_input_file(tmp_path / "in.bin", BatchSettings(root=tmp_path), "input_data_path")
+        read_input_file(str(tmp_path / "in.bin"), BatchSettings(root=tmp_path), "input_data_path")
     assert refused.value.violations[0].loc == ("input_data_path",)
 
 

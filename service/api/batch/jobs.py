@@ -1,7 +1,7 @@
-"""The batch API's logic: jobs created (their paths confined to the batch root, their lines
-checked by the synchronous calls' own validation), read, listed, updated, cancelled and
-watched by their owner only (anyone else: not found), and run by the Runner; a replica that
-starts resumes every unfinished job no other process holds."""
+"""The batch API's logic: jobs created (their paths confined to the batch root or the allowed
+buckets, their lines checked by the synchronous calls' own validation), read, listed, updated,
+cancelled and watched by their owner only (anyone else: not found), and run by the Runner; a
+replica takes up, at its start and then every few seconds, each job with a shard nobody runs."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -108,12 +107,11 @@ class BatchJobs:
         if event is not None:
             event.set()
 
-    def create(self, request: CreateBatchCompletionRequest, owner: Owner) -> Job:
+    async def create(self, request: CreateBatchCompletionRequest, owner: Owner) -> Job:
         found = Violations()
         check_job_request(request, self.engine, found)
-        root = self.settings.root
-        output = confined(root, request.output_data_path, "output_data_path", found)
-        requests = self.requests(request, found)
+        output = self.confined(request.output_data_path, "output_data_path", found)
+        requests = await self.requests(request, found)
         if found.items:
             raise RequestValidationError(found.items)
         assert output is not None and requests is not None
@@ -123,11 +121,14 @@ class BatchJobs:
             requests, config.get("model"), where, self.settings, self.validate_line
         )
         job = self.new_job(request, owner, output, config, lines)
-        self.store.create(job, [line.body for line in lines])
+        await asyncio.to_thread(self.store.create, job, [line.body for line in lines])
         self.runner.start(job)
         return job
 
-    def requests(self, request: CreateBatchCompletionRequest, found: Violations) -> Any:
+    def confined(self, given: str, field: str, found: Violations) -> str | None:
+        return confined(self.settings.root, self.settings.buckets, given, field, found)
+
+    async def requests(self, request: CreateBatchCompletionRequest, found: Violations) -> Any:
         has_file = request.HasField("input_data_path") and request.input_data_path
         has_content = request.HasField("content") and request.content.WhichOneof("kind") not in (
             None,
@@ -141,11 +142,13 @@ class BatchJobs:
             if requests is None:
                 found.add(("content",), "content is a list of completion or chat requests")
             return requests
-        path = confined(self.settings.root, request.input_data_path, "input_data_path", found)
-        if path is None:
+        location = self.confined(request.input_data_path, "input_data_path", found)
+        if location is None:
             return None
         try:
-            return read_input_file(path, self.settings, "input_data_path")
+            return await asyncio.to_thread(
+                read_input_file, location, self.settings, "input_data_path"
+            )
         except RequestValidationError as error:
             for violation in error.violations:
                 found.add(violation.loc, violation.msg, violation.type)
@@ -155,7 +158,7 @@ class BatchJobs:
         self,
         request: CreateBatchCompletionRequest,
         owner: Owner,
-        output: Path,
+        output: str,
         config: dict[str, Any],
         lines: list[Line],
     ) -> Job:
@@ -171,7 +174,7 @@ class BatchJobs:
             if request.HasField("input_data_path")
             else None,
             output_data_path=request.output_data_path,
-            output_file=str(output),
+            output_file=output,
             model_config=config,
             priority=request.priority if request.HasField("priority") else None,
             labels=dict(request.labels),
@@ -193,14 +196,17 @@ class BatchJobs:
         jobs = [job for job in self.store.all() if job.owner == owner.principal]
         return sorted(jobs, key=lambda job: job.created_at, reverse=True)
 
-    def update(self, job_id: str, priority: str | None, owner: Owner) -> tuple[Job, bool]:
+    async def update(self, job_id: str, priority: str | None, owner: Owner) -> tuple[Job, bool]:
         job = self.owned(job_id, owner)
         if priority is None:
             return job, False
-        with self.store.changing(job_id) as changed:
-            assert changed is not None
-            changed.priority = priority
+        await asyncio.to_thread(self.set_priority, job_id, priority)
         return self.owned(job_id, owner), True
+
+    def set_priority(self, job_id: str, priority: str) -> None:
+        with self.store.changing(job_id) as job:
+            if job is not None:
+                job.priority = priority
 
     async def cancel(self, job_id: str, owner: Owner) -> bool:
         """Cancel the job; once this returns, it reads as cancelled (unless it ended first)."""

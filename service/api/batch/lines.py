@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from google.protobuf import json_format
 from google.protobuf.message import Message
 from llmcompletions.v2.completions_pb2 import CreateChatCompletionRequest, CreateCompletionRequest
 
+from service.api.batch import files
 from service.api.errors import CompletionError, FieldViolation, Loc, RequestValidationError
 from service.api.validation import Violations
 from service.settings import BatchSettings
@@ -34,18 +34,19 @@ class Line:
     body: dict[str, Any]
 
 
-def read_input_file(path: Path, limits: BatchSettings, field: str) -> list[Any]:
-    """The requests of an input file: a JSON list, or JSONL."""
+def read_input_file(location: str, limits: BatchSettings, field: str) -> list[Any]:
+    """The requests of an input file (on disk or in a bucket): a JSON list, or JSONL. Reads
+    from disk or the network: call it from a thread."""
     try:
-        size = path.stat().st_size
+        size = files.size_of(location)
     except OSError as error:
-        raise one_violation((field,), f"cannot read {field}: {error.strerror}") from error
+        raise one_violation((field,), f"cannot read {field}: {reason(error)}") from error
     if size > limits.max_input_bytes:
         raise one_violation(
             (field,), f"the file has {size} bytes; at most {limits.max_input_bytes} per job"
         )
     try:
-        text = path.read_text()
+        text = files.read_text(location)
     except (OSError, UnicodeDecodeError) as error:
         raise one_violation((field,), f"cannot read {field} as UTF-8 text: {error}") from error
     try:
@@ -60,6 +61,14 @@ def read_input_file(path: Path, limits: BatchSettings, field: str) -> list[Any]:
         raise one_violation(
             (field,), f"the file is neither a JSON list of requests nor JSONL: {error}"
         ) from error
+
+
+def reason(error: OSError) -> str:
+    if isinstance(error, FileNotFoundError):
+        return "no such file"
+    if isinstance(error, PermissionError):
+        return "permission denied"
+    return error.strerror or str(error)
 
 
 def one_violation(loc: Loc, message: str) -> RequestValidationError:

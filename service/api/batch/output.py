@@ -1,15 +1,15 @@
 """A job's output file, LLM Engine's: a JSON list in input order, each item the body the
 synchronous endpoint answers for that line, or the error it answered with, or, for a line that
 did not run (the job was cancelled, expired or failed), an error saying so. Written whole
-(replaced atomically) when the job ends."""
+(replaced atomically, or one PUT to a bucket) when the job ends."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
-from service.api.batch.store import Job, atomic_write
+from service.api.batch import files
+from service.api.batch.store import Job
 
 # The status a line that did not run is marked with: the job's end, as HTTP would say it.
 NOT_RUN_STATUS = {"cancelled": 499, "expired": 504, "failed": 500}
@@ -37,6 +37,4 @@ def write_output(job: Job, results: dict[int, dict[str, Any]], ended: str) -> No
     items = [
         item(results[index]) if index in results else not_run(ended) for index in range(job.total)
     ]
-    path = Path(job.output_file)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, json.dumps(items))
+    files.write_text(job.output_file, json.dumps(items))
