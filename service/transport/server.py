@@ -92,7 +92,7 @@ ENGINE_CHECK_SECONDS = 1.0
 # Batch lines run after every interactive call (vLLM runs lower priorities first) ...
 BATCH_PRIORITY = 2**31 - 1
 # ... and at most this share of the engine's batch of them at once.
-BATCH_WINDOW_SHARE = 4
+BATCH_WINDOW_SHARE = 2
 # A drain takes the completion calls in flight as finished once none has run for this long,
 # so that a call the server accepted just before closing its listener is counted too.
 QUIET_SECONDS = 0.1
@@ -261,8 +261,8 @@ def serving(
 def batch_jobs(
     model: ServedModel, serving: Serving, settings: BatchSettings, line_socket: str
 ) -> BatchJobs:
-    """Batch jobs on this engine: their lines run through this process's own methods, a
-    quarter of the engine's batch at a time, at the lowest priority when it schedules by one."""
+    """Batch jobs on this engine: their lines run through this process's own methods, half
+    the engine's batch at a time, at the lowest priority when it schedules by one."""
     priority = BATCH_PRIORITY if model.scheduling_policy == "priority" else None
     runner = Runner(
         JobStore(settings.root),

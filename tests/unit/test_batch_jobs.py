@@ -896,13 +896,15 @@ def test_a_result_after_a_torn_line_starts_a_line_of_its_own(tmp_path: Path) -> 
     assert set(store.results(job)) == {0, 2}
 
 
-def test_lines_yield_to_interactive_calls_down_to_an_eighth_of_the_window(tmp_path: Path) -> None:
-    """While interactive calls run, no new line starts until the lines in flight are down to an
-    eighth of the window; alone, the whole window runs."""
+def test_lines_yield_to_interactive_calls_down_to_a_sixteenth_of_the_window(
+    tmp_path: Path,
+) -> None:
+    """While interactive calls run, no new line starts until the lines in flight are down to a
+    sixteenth of the window; alone, the whole window runs."""
     peaks: dict[str, int] = {}
 
     def peak(interactive: int) -> int:
-        store, job = stored_job(tmp_path / str(interactive), 40)
+        store, job = stored_job(tmp_path / str(interactive), 80)
         flying = 0
         highest = 0
 
@@ -910,13 +912,60 @@ def test_lines_yield_to_interactive_calls_down_to_an_eighth_of_the_window(tmp_pa
             nonlocal flying, highest
             flying += 1
             highest = max(highest, flying)
-            await asyncio.sleep(0.02)
-            flying -= 1
+            try:
+                await asyncio.sleep(0.02)
+            finally:
+                flying -= 1
             return answer(body)
 
-        runner = Runner(store, caller, window=16, interactive_calls=lambda: interactive)
+        runner = Runner(store, caller, window=32, interactive_calls=lambda: interactive)
         asyncio.run(run_to_end(runner, job))
         return highest
 
     peaks = {"alone": peak(0), "beside calls": peak(1)}
-    assert peaks == {"alone": 16, "beside calls": 2}
+    assert peaks == {"alone": 32, "beside calls": 2}
+
+
+def test_an_interactive_call_stops_the_newest_lines_which_run_again_later(
+    tmp_path: Path,
+) -> None:
+    """A call comes while a whole window of lines runs: all but the oldest sixteenth are
+    stopped at once, and run again once it has gone; every line is recorded once."""
+    store, job = stored_job(tmp_path, 32)
+    calls = 0
+    started: list[int] = []
+    stopped: list[int] = []
+    in_flight_after_the_call: list[int] = []
+    flying = 0
+
+    async def caller(kind: str, body: dict[str, Any], owner: Owner) -> dict[str, Any]:
+        nonlocal flying
+        index = int(body["prompt"])
+        started.append(index)
+        flying += 1
+        try:
+            await asyncio.sleep(0.3 if len(started) <= 32 else 0.01)
+        except asyncio.CancelledError:
+            stopped.append(index)
+            raise
+        finally:
+            flying -= 1
+        return answer(body)
+
+    async def main() -> None:
+        nonlocal calls
+        runner = Runner(store, caller, window=32, interactive_calls=lambda: calls)
+        runner.start(job)
+        await asyncio.sleep(0.1)  # the whole window in flight
+        calls = 1
+        await asyncio.sleep(0.1)
+        in_flight_after_the_call.append(flying)
+        calls = 0
+        await asyncio.wait_for(asyncio.shield(runner.tasks[job.job_id]), WAIT_SECONDS)
+
+    asyncio.run(main())
+    assert in_flight_after_the_call == [2]
+    assert sorted(stopped) == list(range(2, 32)), "the newest 30 stopped"
+    assert sorted(started) == sorted([*range(32), *range(2, 32)])
+    assert store.results(job) == {i: answer({"prompt": str(i)}) for i in range(32)}
+    assert output_of(job) == [{"text": str(index)} for index in range(32)]

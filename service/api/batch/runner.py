@@ -11,6 +11,7 @@ refusal is that line's error, and the job goes on."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from collections.abc import Callable
@@ -23,8 +24,9 @@ from service.api.batch.store import FAILURE_MARKER, Job, JobStore, record_line, 
 logger = logging.getLogger(__name__)
 
 SYNC_SECONDS = 1.0
-# While interactive calls run, at most this share of the window of lines stays in flight ...
-YIELDING_SHARE = 8
+# While interactive calls run, at most this share of the window of lines stays in flight (the
+# newest lines beyond it are stopped and queued again) ...
+YIELDING_SHARE = 16
 # ... checked this often, and for this long after the last one was seen (a client's next call
 # comes soon: lines started in between would be in its steps).
 YIELD_CHECK_SECONDS = 0.05
@@ -74,9 +76,10 @@ class Uncounted:
 
 
 class Runner:
-    """Runs jobs, each in a task of its own. Interactive calls go first: while they run (and
-    for a moment after), no new line starts until the lines in flight are down to an eighth of
-    the window (what is left of their steps' cost to interactive calls)."""
+    """Runs jobs, each in a task of its own. Interactive calls go first: when one comes, the
+    newest lines beyond a sixteenth of the window are stopped (their engine requests aborted)
+    and queued again, and while interactive calls run (and for a moment after) no more start:
+    each line in a decoding step makes the step, and so every call in it, dearer."""
 
     def __init__(
         self,
@@ -93,6 +96,8 @@ class Runner:
         self.yielding_window = max(1, window // YIELDING_SHARE)
         self.interactive_calls = interactive_calls  # this process's calls that are no lines
         self.lines_in_flight = 0  # of every job this process runs
+        self.line_tasks: dict[asyncio.Task[None], None] = {}  # those in flight, oldest first
+        self.preempted: set[asyncio.Task[None]] = set()  # stopped for interactive calls
         self.interactive_seen_at = float("-inf")
         self.counts = counts or Uncounted()
         self.changed: Callable[[Job], None] = lambda job: None  # told of every change
@@ -189,18 +194,27 @@ class Runner:
         if self.slots is None:
             self.slots = asyncio.Semaphore(self.window)
         window = self.slots
+        queue = collections.deque(pending)
         in_flight: set[asyncio.Task[None]] = set()
         watching = asyncio.create_task(self.watch_interactive_calls())
 
         async def one(index: int) -> None:
+            this = asyncio.current_task()
             try:
                 result = await self.until_run(job.kinds[index], lines[index], owner)
+            except asyncio.CancelledError:
+                if this not in self.preempted:
+                    raise
+                self.preempted.discard(this)  # type: ignore[arg-type]
+                queue.appendleft(index)  # to run again, first
+                return
             except Exception as error:
                 logger.exception("batch job %s: line %d failed", job.job_id, index)
                 detail = f"the line failed on the server: {type(error).__name__}"
                 result = {"error": {"status_code": 500, "detail": detail}}
             finally:
                 self.lines_in_flight -= 1
+                self.line_tasks.pop(this, None)  # type: ignore[arg-type]
                 window.release()
             record_line(record, index, result)
             counts.add(result)
@@ -209,14 +223,20 @@ class Runner:
             self.changed(job)
 
         try:
-            for index in pending:
+            while queue or in_flight:
+                if not queue:  # a preempted line may come back
+                    await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+                    continue
                 await window.acquire()
                 await self.yield_to_interactive_calls()
+                if not queue:
+                    window.release()
+                    continue
                 self.lines_in_flight += 1  # from now: its task may not have run yet
-                task = asyncio.create_task(one(index))
+                task = asyncio.create_task(one(queue.popleft()))
+                self.line_tasks[task] = None
                 in_flight.add(task)
                 task.add_done_callback(in_flight.discard)
-            await asyncio.gather(*in_flight)
         finally:
             watching.cancel()
             for task in in_flight:
@@ -237,6 +257,15 @@ class Runner:
     def look_for_interactive_calls(self) -> None:
         if self.interactive_calls() > 0:
             self.interactive_seen_at = time.monotonic()
+            self.preempt_beyond_yielding_window()
+
+    def preempt_beyond_yielding_window(self) -> None:
+        """Stop the newest lines beyond the yielding window (the least work lost); each goes
+        back to its queue."""
+        running = [task for task in self.line_tasks if task not in self.preempted]
+        for task in running[self.yielding_window :]:
+            self.preempted.add(task)
+            task.cancel()
 
     async def watch_interactive_calls(self) -> None:
         while True:
