@@ -2,7 +2,7 @@
 # make test    install what is missing, lint, run the unit tests, then the whole suite on the real stack
 # make unit    install what is missing, lint, run only the unit tests (tests/unit: no engine, no Envoy)
 # make proto   rebuild generated code from proto/    make lint   ruff and buf lint
-# make bench   the serving benchmark against vLLM's OpenAI server (docs/benchmarks.md), then:
+# make bench   the serving benchmark against vLLM's OpenAI server (docs/benchmarks/), then:
 # make bench-frontend  `make serve` against `vllm serve` as users run them: serving CPU per token
 # make bench-frontend-same-flags  the same through the test harness, same engine flags both sides
 # make bench-frontends  one and two frontend processes against `vllm serve --api-server-count`

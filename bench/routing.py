@@ -57,7 +57,7 @@ RESULTS = Path(__file__).parent / "results"
 POLICIES = ("least-request", "prefix-hash", "prefix")
 # About 4.3 prefixes of 1,000 tokens per replica (46 KiB a token): 8 do not fit in one, do in
 # two, with little room to spare (0.21 GiB, 4.7 prefixes, left least request holding more than
-# half of them: docs/benchmarks.md, "Routing").
+# half of them: docs/benchmarks/routing.md).
 KV_CACHE_GIB = 0.19
 MAX_MODEL_LEN = 2048
 START_TIMEOUT = 900

@@ -96,7 +96,7 @@ class Variant:
     vllm_args: tuple[str, ...] = ()
     pin_clients: bool = True
     # Our stack as the test harness starts it (flags, its own limits, output to /dev/null)
-    # instead of `make serve`: the path docs/benchmarks.md's same-flags table measured.
+    # instead of `make serve`: the path docs/benchmarks/where-the-cpu-goes.md measured.
     harness: bool = False
     # make serve's output to /dev/null, as the harness sends it (else to a file per run).
     output_discarded: bool = False

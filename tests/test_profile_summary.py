@@ -1,4 +1,5 @@
-"""The profile's py-spy summary attributes samples as docs/benchmarks.md reports them."""
+"""The profile's py-spy summary attributes samples as docs/benchmarks/where-the-cpu-goes.md
+reports them."""
 
 from __future__ import annotations
 

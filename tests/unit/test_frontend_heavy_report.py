@@ -1,5 +1,6 @@
-"""The frontend-heavy report compares runs measured in the same round, as docs/benchmarks.md
-quotes it: ours against vLLM's server, and against an earlier commit of ours when measured."""
+"""The frontend-heavy report compares runs measured in the same round, as
+docs/benchmarks/where-the-cpu-goes.md quotes it: ours against vLLM's server, and against an
+earlier commit of ours when measured."""
 
 from __future__ import annotations
 
