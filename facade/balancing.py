@@ -19,7 +19,7 @@ answer. The picker runs beside this Envoy, or is one that several Envoys share (
 `prefix-hash`: the same keys, balanced by Envoy alone (ring hash on the key with
 `hash_balance_factor`). Hashing a few keys over a few replicas is uneven (two keys land on the
 same one of two replicas half of the time), which is why `prefix` adds the picker
-(docs/benchmarks.md, "Routing").
+(docs/benchmarks/routing.md).
 
 `least-request`: every call to the replica with the fewest requests in flight. Calls that have
 no key (listing, tokenization) are always balanced this way.
@@ -98,14 +98,14 @@ class PrefixAffinity:
     away), and the load bound: a replica takes a prefix's requests while its requests in
     flight stay within `balance_factor` percent of the pool's average."""
 
-    # Measured with the picker keyed by one key (docs/benchmarks.md, "Routing keys"): a key must
+    # Measured with the picker keyed by one key (docs/benchmarks/routing-keys.md): a key must
     # reach past the part every prompt shares (150 tokens of instructions: 256 bytes or 64 ids
     # put them all on one replica) and stop within the part worth keeping together (4096 bytes
     # or 1024 ids gave each 600-token document's prompts keys of their own, spread as least
     # request spreads them); 1024 bytes and 256 ids did neither there.
     chars: int = 1024  # of a text prompt
     tokens: int = 256  # of a token-id prompt
-    # Measured with make bench-routing (docs/benchmarks.md): 125 kept the most cache hits under
+    # Measured with make bench-routing (docs/benchmarks/routing.md): 125 kept the most cache hits under
     # cache pressure and still spread a hot prefix; 100 spilled too early, 150 too late (Envoy
     # counts a replica overloaded only past ceil(factor x (all in flight + 1)) / replicas).
     balance_factor: int = 125

@@ -7,7 +7,7 @@ environment (vLLM's own `OMPProcessManager` sets it), it runs the worker in-proc
 does on a GPU with one device (`UniProcExecutor`). One process fewer imports torch and vLLM
 at a start-up, and the core no longer spins waiting for each step's result from another
 process (placement.confine_engine_core had to keep that spin off the serving cores). Measured on
-a 2-core host (docs/benchmarks.md, "The worker inside the engine core"): ready in 0.74x the
+a 2-core host (docs/benchmarks/start-up.md): ready in 0.74x the
 time and 0.70x the CPU (about 22 s and 22 CPU-seconds against 30 and 32), the same time a step.
 
 Several workers (tensor or pipeline parallel), data parallel ranks, or a backend the operator

@@ -167,7 +167,7 @@ def confine_engine_core(parent: int | None = None) -> None:
     It waits for each step's result by spinning (yielding, but always runnable), so it sits on
     the cores left for serving requests and the frontend and Envoy wait behind it. Its work and
     the worker's take turns (one schedules a step, the other runs it), so on the worker's cores
-    it costs the step nothing (docs/benchmarks.md, "Serving cost on the path users run").
+    it costs the step nothing (docs/benchmarks/serving-cost.md).
     """
     engine = children_by_name(os.getpid() if parent is None else parent)
     workers = engine.get(ENGINE_WORKER_NAME, [])

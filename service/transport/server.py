@@ -293,8 +293,8 @@ def run_server(
 ) -> int:
     """Serve until stopped; the exit code. Not asyncio.run: its teardown is what exit_now
     skips. uvloop, as vLLM's own server: each streamed token wakes the loop twice (the engine's
-    output, then gRPC's write completing), and uvloop's wake-ups cost less (docs/benchmarks.md,
-    the frontend-heavy workload)."""
+    output, then gRPC's write completing), and uvloop's wake-ups cost less
+    (docs/benchmarks/where-the-cpu-goes.md)."""
     # Before the first thread and socket: the engine core's copy of this process.
     core_copy = role is None and may_run_worker_in_core(engine_settings)
     copies = stand_by(int(core_copy), ENGINE_CORE_MODULES if core_copy else ())
