@@ -105,9 +105,10 @@ class PrefixAffinity:
     # request spreads them); 1024 bytes and 256 ids did neither there.
     chars: int = 1024  # of a text prompt
     tokens: int = 256  # of a token-id prompt
-    # Measured with make bench-routing (docs/benchmarks/routing.md): 125 kept the most cache hits under
-    # cache pressure and still spread a hot prefix; 100 spilled too early, 150 too late (Envoy
-    # counts a replica overloaded only past ceil(factor x (all in flight + 1)) / replicas).
+    # Measured with make bench-routing (docs/benchmarks/routing.md): 125 kept the most cache
+    # hits under cache pressure and still spread a hot prefix; 100 spilled too early, 150 too
+    # late (Envoy counts a replica overloaded only past ceil(factor x (all in flight + 1)) /
+    # replicas).
     balance_factor: int = 125
     # Ask the replica picker (prefix) or leave it to Envoy's hashing alone (prefix-hash).
     picker: bool = True
