@@ -532,6 +532,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--name", default="user-path", help="the results' file name")
     parser.add_argument(
+        "--no-client-priority",
+        action="store_true",
+        help="leave the load clients' session at the default weight, as users run a client "
+        "(else it gets autogroup nice -10: a client starved of CPU measures itself)",
+    )
+    parser.add_argument(
         "--model",
         choices=("tiny", "default"),
         default="tiny",
@@ -549,7 +555,11 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown variants {unknown}; known: {list(VARIANTS)}")
     args.out.mkdir(parents=True, exist_ok=True)
-    clients = prioritize_load_clients()
+    clients = (
+        "load clients' session at the default weight (--no-client-priority)"
+        if args.no_client_priority
+        else prioritize_load_clients()
+    )
     print(f"user path: {clients}", flush=True)
     target = (
         Target(prepare_tiny_model(), WORKLOADS[args.workload], "a one-layer random-weight model")
@@ -577,7 +587,8 @@ def main() -> None:
         "rounds": rounds,
     }
     (args.out / f"{args.name}.json").write_text(json.dumps(record, indent=2))
-    report = markdown(summary, args.rounds, target) + "\n" + waits_table(rounds)
+    report = markdown(summary, args.rounds, target) + f"\nLoad clients: {clients}.\n\n"
+    report += waits_table(rounds)
     (args.out / f"{args.name}.md").write_text(report)
     print(report)
 
