@@ -33,10 +33,11 @@ EngineRefusal = QueueOverflowError | MaxQueuedTokensError
 
 
 class ReplicaTally:
-    """Every frontend's queued prompt tokens and sequences in preparation, in shared memory
-    (a multiprocessing RawArray of two counters per frontend): each writes its own slot."""
+    """Every frontend's queued prompt tokens, sequences in preparation and interactive calls
+    in flight (those batch jobs yield to), in shared memory (a multiprocessing RawArray of
+    three counters per frontend): each writes its own slot."""
 
-    FIELDS = 2
+    FIELDS = 3
 
     def __init__(self, counters: MutableSequence[int], count: int, index: int) -> None:
         self.counters = counters
@@ -46,6 +47,15 @@ class ReplicaTally:
     def publish(self, queued_tokens: int, preparing_sequences: int) -> None:
         self.counters[self.slot] = queued_tokens
         self.counters[self.slot + 1] = preparing_sequences
+
+    def publish_interactive_calls(self, running: int) -> None:
+        self.counters[self.slot + 2] = running
+
+    def interactive_calls(self) -> int:
+        """Interactive calls in flight over every frontend."""
+        return sum(
+            self.counters[slot + 2] for slot in range(0, self.count * self.FIELDS, self.FIELDS)
+        )
 
     def totals(self) -> tuple[int, int]:
         """Queued prompt tokens and sequences in preparation, over every frontend."""

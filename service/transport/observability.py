@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.multiprocess import MultiProcessCollector
 from vllm.v1.engine.async_llm import AsyncLLM
 
-from service.api.backlog import Backlog
+from service.api.backlog import Backlog, ReplicaTally
 from service.api.batch.runner import Owner
 from service.transport.frontend_metrics import MULTIPROCESS_ENV
 from service.transport.rest_bridge import END_OF_EVENTS
@@ -323,9 +323,20 @@ GENERATING_METHODS = frozenset({"CreateCompletion", "CreateChatCompletion"})
 
 @dataclass
 class InteractiveCalls:
-    """This process's generating calls in flight that are not batch lines."""
+    """This process's generating calls in flight that are not batch lines; with several
+    frontends, published in the replica's tally, so that a batch job in any frontend yields to
+    the calls of every one."""
 
     running: int = 0
+    tally: ReplicaTally | None = None
+
+    def add(self, change: int) -> None:
+        self.running += change
+        if self.tally is not None:
+            self.tally.publish_interactive_calls(self.running)
+
+    def in_replica(self) -> int:
+        return self.tally.interactive_calls() if self.tally is not None else self.running
 
 
 INTERACTIVE_CALLS = InteractiveCalls()

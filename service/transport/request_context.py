@@ -93,7 +93,8 @@ class RequestContextInterceptor(StreamInterceptor):
         code = "UNKNOWN"
         IN_FLIGHT.inc()
         interactive = method in GENERATING_METHODS and record.line_owner is None
-        INTERACTIVE_CALLS.running += interactive
+        if interactive:
+            INTERACTIVE_CALLS.add(1)
         try:
             async for message in inner(request, context):
                 record.message_sent(message)
@@ -104,7 +105,8 @@ class RequestContextInterceptor(StreamInterceptor):
             raise
         finally:
             IN_FLIGHT.dec()
-            INTERACTIVE_CALLS.running -= interactive
+            if interactive:
+                INTERACTIVE_CALLS.add(-1)
             record.finish(code)
             if span is not None:
                 span.end(record, code)

@@ -269,7 +269,7 @@ def batch_jobs(
         GrpcLineCaller(line_socket, priority),
         window=max(1, model.capacity.max_num_seqs // BATCH_WINDOW_SHARE),
         counts=BatchMetrics(),
-        interactive_calls=lambda: INTERACTIVE_CALLS.running,
+        interactive_calls=INTERACTIVE_CALLS.in_replica,
     )
     engine = EngineFacts(model.max_model_len, model.engine.model_config.quantization)
 
@@ -358,7 +358,9 @@ async def serve(
     if model is not None and not await adapters_loaded(model):
         exit_code = 1
     if model is not None and exit_code == 0:
-        state.serving = serving(model, server_settings, None if role is None else role.tally())
+        tally = None if role is None else role.tally()
+        state.serving = serving(model, server_settings, tally)
+        INTERACTIVE_CALLS.tally = tally
         state.model = model
         gauges = watch_engine_gauges(model.engine, state.serving.completions.backlog)
         model.adapters.on_residency = publish_resident_adapters(model.adapters.resident_names())

@@ -31,7 +31,7 @@ from service.options import frontend_ports_problem
 from service.settings import ServerSettings
 from service.transport import request_context
 from service.transport.logs import FrontendField, PlainFormatter
-from service.transport.observability import RequestRecord
+from service.transport.observability import InteractiveCalls, RequestRecord
 from service.transport.replica import check_ports_free
 from service.transport.servicer import CompletionServicer
 from service.transport.siblings import FORWARDED_HEADER, is_forwarded
@@ -91,6 +91,23 @@ def test_queued_tokens_of_both_frontends_make_the_token_bound() -> None:
     assert "reached the bound of 100" in refused.value.message
     with pytest.raises(OverloadedError):
         second.admit(1)  # vLLM's check sees only its own 40; the replica's count refuses
+
+
+def test_a_batch_job_in_one_frontend_sees_the_interactive_calls_of_the_other() -> None:
+    """Each frontend publishes its interactive calls in the replica's tally, which a batch
+    runner in either reads; alone (no tally), a frontend counts its own."""
+    _, tally = shared_memory()
+    first = InteractiveCalls(tally=ReplicaTally(tally, FRONTENDS, 0))
+    second = InteractiveCalls(tally=ReplicaTally(tally, FRONTENDS, 1))
+    second.add(1)
+    second.add(1)
+    assert (first.running, first.in_replica()) == (0, 2)
+    first.add(1)
+    second.add(-2)
+    assert (first.in_replica(), second.in_replica()) == (1, 1)
+    alone = InteractiveCalls()
+    alone.add(1)
+    assert alone.in_replica() == 1
 
 
 def test_one_frontend_alone_counts_as_before() -> None:
