@@ -58,41 +58,22 @@ test: install checkov llmengine moto lint
 unit: install checkov lint
 	$(BIN)/python -m pytest -q $(UNIT_PARALLEL) $(UNIT_TESTS)
 
-# LLM Engine's own client, for the batch API's test with it (tests/test_batch_llm_engine.py), in
-# a venv of its own: it pins openai<2, vLLM's install has openai 3.
-LLMENGINE_VENV := $(VENV)/tools/llmengine
-.PHONY: llmengine
-llmengine: $(LLMENGINE_VENV)/.installed
+# Tools the tests run that cannot share the project's venv, each in a venv of its own under
+# .venv/tools/, every package pinned by requirements/<tool>.txt:
+# - llmengine: LLM Engine's own client, for tests/test_batch_llm_engine.py (it pins openai<2,
+#   vLLM's install has openai 3);
+# - moto: an S3-compatible server, for tests/test_batch_resume.py (its Flask and boto3 are no
+#   part of the service);
+# - checkov: the Kubernetes checks of deploy/ (tests/unit/test_manifests.py; its pins,
+#   packaging<24, conflict with the project's pytest 9).
+TOOLS := llmengine moto checkov
+.PHONY: $(TOOLS)
+$(TOOLS): %: $(VENV)/tools/%/.installed
 
-$(LLMENGINE_VENV)/.installed: requirements/llmengine.txt
-	$(PYTHON) -m venv $(LLMENGINE_VENV)
-	$(LLMENGINE_VENV)/bin/pip install --quiet --upgrade pip
-	$(LLMENGINE_VENV)/bin/pip install --quiet -r requirements/llmengine.txt
-	touch $@
-
-# An S3-compatible server (moto's), for the batch jobs' bucket test (tests/test_batch_resume.py),
-# in a venv of its own: its Flask and boto3 are no part of the service.
-MOTO_VENV := $(VENV)/tools/moto
-.PHONY: moto
-moto: $(MOTO_VENV)/.installed
-
-$(MOTO_VENV)/.installed: requirements/moto.txt
-	$(PYTHON) -m venv $(MOTO_VENV)
-	$(MOTO_VENV)/bin/pip install --quiet --upgrade pip
-	$(MOTO_VENV)/bin/pip install --quiet -r requirements/moto.txt
-	touch $@
-
-# checkov, for the Kubernetes checks of deploy/ (tests/unit/test_manifests.py), in a venv of
-# its own: its pins (packaging<24) conflict with the project's (pytest 9), so it cannot be a
-# dev extra. requirements/checkov.txt pins every package of that venv.
-CHECKOV_VENV := $(VENV)/tools/checkov
-.PHONY: checkov
-checkov: $(CHECKOV_VENV)/.installed
-
-$(CHECKOV_VENV)/.installed: requirements/checkov.txt
-	$(PYTHON) -m venv $(CHECKOV_VENV)
-	$(CHECKOV_VENV)/bin/pip install --quiet --upgrade pip
-	$(CHECKOV_VENV)/bin/pip install --quiet -r requirements/checkov.txt
+$(VENV)/tools/%/.installed: requirements/%.txt
+	$(PYTHON) -m venv $(VENV)/tools/$*
+	$(VENV)/tools/$*/bin/pip install --quiet --upgrade pip
+	$(VENV)/tools/$*/bin/pip install --quiet -r $<
 	touch $@
 
 # The side-by-side benchmark (about 25 minutes, then bench-frontend's and bench-burst's);
