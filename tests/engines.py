@@ -49,9 +49,10 @@ START_BUDGET: dict[str, int] = {
     # a replica that can load adapters runs base-model calls 1.6-3.5 times slower on vLLM's CPU
     # build, and the routing tests on the fleet are base-model calls (about 2 minutes more).
     "adapter-fleet": 2,
-    # Two frontends over one engine core: one shared by the module (its last test drains it),
-    # one whose frontend is killed, one whose engine core is.
-    "frontends": 3,
+    # Two frontends over one engine core: one shared by the module (its last test drains it
+    # and starts it again on the same ports), one whose frontend is killed, one whose engine
+    # core is.
+    "frontends": 4,
 }
 
 

@@ -8,6 +8,7 @@ replicas, each behind an Envoy of its own, hold one tenant's budget in one Redis
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import shutil
 import signal
@@ -529,18 +530,51 @@ def test_the_picker_keeps_a_document_on_one_replica_and_spreads_it_over_its_fron
 def test_sigterm_drains_the_streams_of_both_frontends_and_leaves_nothing(
     replica: TestStack,
 ) -> None:
-    """Last in the module: it stops the shared replica."""
+    """Last in the module to use the shared replica: it drains it under streaming traffic (to
+    each frontend, and through Envoy), then starts it again at once on the same ports, as a
+    supervisor would: the drained connections left in TIME_WAIT must not keep it out."""
     targets = frontend_targets(replica)
     calls = [
         long_stream(target, f"frontends-{uuid.uuid4().hex}", max_tokens=40) for target in targets
     ]
-    processes = replica_processes(replica)
-    replica.processes[0].send_signal(signal.SIGTERM)
+    with httpx.Client(base_url=replica.base_url, headers=AUTH_HEADERS, timeout=120) as rest:
+        short = body(**LONG) | {"max_tokens": 40}
+        through_envoy = rest.stream("POST", "/v2/completions", json=short)
+        with through_envoy as streamed:
+            lines = streamed.iter_lines()
+            assert next(lines).startswith("data: "), "running in the engine"
+            processes = replica_processes(replica)
+            replica.processes[0].send_signal(signal.SIGTERM)
+            events = [line.removeprefix("data: ") for line in lines if line]
     for call in calls:
-        rest = list(call)
-        assert rest[-1].choices[0].finish_reason == "length", "the stream in flight must finish"
+        rest_of_call = list(call)
+        assert rest_of_call[-1].choices[0].finish_reason == "length", "the stream must finish"
+    assert events[-1] == "[DONE]", "the stream through Envoy must finish"
+    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
     assert replica.processes[0].wait(timeout=60) == 0
     assert left_running(processes, GONE_SECONDS) == []
+
+    ports = [replica.grpc_port, *(int(target.rpartition(":")[2]) for target in targets)]
+    lingering = [
+        connection
+        for connection in psutil.net_connections("tcp")
+        if connection.status == psutil.CONN_TIME_WAIT and connection.laddr.port in ports
+    ]
+    assert lingering, "the drain left no connection in TIME_WAIT: this restart proves nothing"
+    envoy = replica.processes[1]
+    replica.start(with_envoy=False)  # the same service, on the same ports, at once
+    replica.processes.append(envoy)
+    try:
+        replica.wait_ready(ENGINE_START_TIMEOUT)
+        answer = httpx.post(
+            f"{replica.base_url}/v2/completions",
+            json=body(prompt=CAPITAL_PROMPT, max_tokens=4),
+            headers=AUTH_HEADERS,
+            timeout=60,
+        )
+        assert answer.status_code == 200, answer.text
+    finally:
+        replica.stop()
 
 
 VICTIMS = ("Frontend_1", "EngineCore")

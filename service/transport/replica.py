@@ -66,9 +66,13 @@ class Stopping:
 
 def check_ports_free(settings: ServerSettings) -> None:
     """The frontends share the replica's port (SO_REUSEPORT): a server already on it would
-    share it too. So every port must be free before they start."""
+    share it too. So nothing may listen on any of the ports before they start. The probe binds
+    as gRPC will (SO_REUSEADDR, without SO_REUSEPORT): a port whose only sockets are the last
+    run's connections in TIME_WAIT (a drain leaves them for a minute) is free, one a server
+    listens on is not."""
     for port in (settings.port, *settings.own_ports()):
         with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind((settings.host, port))
             except OSError:

@@ -194,6 +194,29 @@ def test_a_taken_port_stops_the_replica_before_it_starts() -> None:
             check_ports_free(settings)
 
 
+def test_a_port_left_in_time_wait_by_a_drained_replica_is_free_again() -> None:
+    """A listener whose side closed its connection first (a drain does) leaves that connection
+    in TIME_WAIT on the port for a minute: a plain bind fails there, gRPC's (SO_REUSEADDR)
+    succeeds, and so does the check."""
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = listener.accept()
+        accepted.close()  # the server's side first: its end goes to TIME_WAIT
+        client.recv(1)
+        client.close()
+    with socket.socket() as plain, pytest.raises(OSError):
+        plain.bind(("127.0.0.1", port))
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        own_port = unused.getsockname()[1]
+    settings = ServerSettings(port=port, api_server_count=1, frontend_ports=(own_port,))
+    check_ports_free(settings)  # no SystemExit
+
+
 def test_every_line_of_a_frontend_names_it() -> None:
     record = logging.LogRecord("x", logging.INFO, __file__, 1, "serving", None, None)
     record.fields = {"status": "OK"}
