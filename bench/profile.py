@@ -263,6 +263,12 @@ def markdown(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# Commits before c0532d2 (2026-12-02) held a frontend's calls beyond MAX_IN_FLIGHT (32 by
+# default) in a semaphore, and the benchmarks of then lifted it: so must an A/B against one.
+# Today's service has no such option and ignores the variable.
+UNLIMITED_IN_FLIGHT = {"MAX_IN_FLIGHT": "1024"}
+
+
 def frontend_heavy_round(model_dir: Path, before: str | None) -> dict[str, Any]:
     """vLLM's OpenAI server, then our stack at `before` (if given), then as this checkout,
     then vLLM's engine client alone, each on every frontend-heavy workload."""
@@ -273,7 +279,7 @@ def frontend_heavy_round(model_dir: Path, before: str | None) -> dict[str, Any]:
     for server, ref in builds.items():
         print(f"profile: frontend-heavy, ours at {ref or 'this checkout'}", flush=True)
         with checkout(ref) as source:
-            stack = OurStack(model_dir, MODEL, source=source)
+            stack = OurStack(model_dir, MODEL, source=source, env=UNLIMITED_IN_FLIGHT)
             measured_round[server] = profile_stack(
                 stack, model_dir, workloads=frontend_heavy.FRONTEND_HEAVY
             )
