@@ -30,7 +30,7 @@ from service.model.default_model import DEFAULT_SERVED_MODEL_NAME, prepare_defau
 RESULTS = Path(__file__).resolve().parent / "results" / "batch.md"
 INTERACTIVE_TOKENS = 16
 INTERACTIVE_GAP_SECONDS = 0.5
-INTERACTIVE_CALLS = 20
+INTERACTIVE_CALLS = 40
 POLL_SECONDS = 0.5
 
 

@@ -896,11 +896,11 @@ def test_a_result_after_a_torn_line_starts_a_line_of_its_own(tmp_path: Path) -> 
     assert set(store.results(job)) == {0, 2}
 
 
-def test_lines_yield_to_interactive_calls_down_to_a_sixteenth_of_the_window(
+def test_lines_yield_to_interactive_calls_down_to_a_32nd_of_the_window(
     tmp_path: Path,
 ) -> None:
     """While interactive calls run, no new line starts until the lines in flight are down to a
-    sixteenth of the window; alone, the whole window runs."""
+    32nd of the window; alone, the whole window runs."""
     peaks: dict[str, int] = {}
 
     def peak(interactive: int) -> int:
@@ -918,20 +918,20 @@ def test_lines_yield_to_interactive_calls_down_to_a_sixteenth_of_the_window(
                 flying -= 1
             return answer(body)
 
-        runner = Runner(store, caller, window=32, interactive_calls=lambda: interactive)
+        runner = Runner(store, caller, window=64, interactive_calls=lambda: interactive)
         asyncio.run(run_to_end(runner, job))
         return highest
 
     peaks = {"alone": peak(0), "beside calls": peak(1)}
-    assert peaks == {"alone": 32, "beside calls": 2}
+    assert peaks == {"alone": 64, "beside calls": 2}
 
 
 def test_an_interactive_call_stops_the_newest_lines_which_run_again_later(
     tmp_path: Path,
 ) -> None:
-    """A call comes while a whole window of lines runs: all but the oldest sixteenth are
-    stopped at once, and run again once it has gone; every line is recorded once."""
-    store, job = stored_job(tmp_path, 32)
+    """A call comes while a whole window of lines runs: all but the oldest 32nd are stopped at
+    once, and run again once it has gone; every line is recorded once."""
+    store, job = stored_job(tmp_path, 64)
     calls = 0
     started: list[int] = []
     stopped: list[int] = []
@@ -944,7 +944,7 @@ def test_an_interactive_call_stops_the_newest_lines_which_run_again_later(
         started.append(index)
         flying += 1
         try:
-            await asyncio.sleep(0.3 if len(started) <= 32 else 0.01)
+            await asyncio.sleep(0.3 if len(started) <= 64 else 0.01)
         except asyncio.CancelledError:
             stopped.append(index)
             raise
@@ -954,7 +954,7 @@ def test_an_interactive_call_stops_the_newest_lines_which_run_again_later(
 
     async def main() -> None:
         nonlocal calls
-        runner = Runner(store, caller, window=32, interactive_calls=lambda: calls)
+        runner = Runner(store, caller, window=64, interactive_calls=lambda: calls)
         runner.start(job)
         await asyncio.sleep(0.1)  # the whole window in flight
         calls = 1
@@ -965,7 +965,7 @@ def test_an_interactive_call_stops_the_newest_lines_which_run_again_later(
 
     asyncio.run(main())
     assert in_flight_after_the_call == [2]
-    assert sorted(stopped) == list(range(2, 32)), "the newest 30 stopped"
-    assert sorted(started) == sorted([*range(32), *range(2, 32)])
-    assert store.results(job) == {i: answer({"prompt": str(i)}) for i in range(32)}
-    assert output_of(job) == [{"text": str(index)} for index in range(32)]
+    assert sorted(stopped) == list(range(2, 64)), "the newest 62 stopped"
+    assert sorted(started) == sorted([*range(64), *range(2, 64)])
+    assert store.results(job) == {i: answer({"prompt": str(i)}) for i in range(64)}
+    assert output_of(job) == [{"text": str(index)} for index in range(64)]

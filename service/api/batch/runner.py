@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -26,7 +27,7 @@ logger = logging.getLogger(__name__)
 SYNC_SECONDS = 1.0
 # While interactive calls run, at most this share of the window of lines stays in flight (the
 # newest lines beyond it are stopped and queued again) ...
-YIELDING_SHARE = 16
+YIELDING_SHARE = 32
 # ... checked this often, and for this long after the last one was seen (a client's next call
 # comes soon: lines started in between would be in its steps).
 YIELD_CHECK_SECONDS = 0.05
@@ -77,7 +78,7 @@ class Uncounted:
 
 class Runner:
     """Runs jobs, each in a task of its own. Interactive calls go first: when one comes, the
-    newest lines beyond a sixteenth of the window are stopped (their engine requests aborted)
+    newest lines beyond a 32nd of the window are stopped (their engine requests aborted)
     and queued again, and while interactive calls run (and for a moment after) no more start:
     each line in a decoding step makes the step, and so every call in it, dearer."""
 
@@ -199,28 +200,29 @@ class Runner:
         watching = asyncio.create_task(self.watch_interactive_calls())
 
         async def one(index: int) -> None:
-            this = asyncio.current_task()
             try:
                 result = await self.until_run(job.kinds[index], lines[index], owner)
-            except asyncio.CancelledError:
-                if this not in self.preempted:
-                    raise
-                self.preempted.discard(this)  # type: ignore[arg-type]
-                queue.appendleft(index)  # to run again, first
-                return
             except Exception as error:
                 logger.exception("batch job %s: line %d failed", job.job_id, index)
                 detail = f"the line failed on the server: {type(error).__name__}"
                 result = {"error": {"status_code": 500, "detail": detail}}
-            finally:
-                self.lines_in_flight -= 1
-                self.line_tasks.pop(this, None)  # type: ignore[arg-type]
-                window.release()
             record_line(record, index, result)
             counts.add(result)
             counts.save(self.store)
             self.counts.line_finished("completed" if "response" in result else "failed")
             self.changed(job)
+
+        def ended(task: asyncio.Task[None], index: int) -> None:
+            """A line's end (a task cancelled before it ran, too): its place in the window
+            freed; if stopped for interactive calls, queued again, first."""
+            self.lines_in_flight -= 1
+            self.line_tasks.pop(task, None)
+            in_flight.discard(task)
+            window.release()
+            if task in self.preempted:
+                self.preempted.discard(task)
+                if task.cancelled():
+                    queue.appendleft(index)
 
         try:
             while queue or in_flight:
@@ -233,10 +235,11 @@ class Runner:
                     window.release()
                     continue
                 self.lines_in_flight += 1  # from now: its task may not have run yet
-                task = asyncio.create_task(one(queue.popleft()))
+                index = queue.popleft()
+                task = asyncio.create_task(one(index))
                 self.line_tasks[task] = None
                 in_flight.add(task)
-                task.add_done_callback(in_flight.discard)
+                task.add_done_callback(functools.partial(ended, index=index))
         finally:
             watching.cancel()
             for task in in_flight:
