@@ -1,7 +1,8 @@
 """Batch jobs on the default stack, through Envoy (LLM Engine's REST shapes) and gRPC: inline
 and file input, completion and chat lines, each equal to the synchronous answer at temperature
 0; a line over the context failed while the rest complete; a bad line refused at create naming
-its index and field; cancel leaving partial output; another tenant getting 404; paths outside
+its index and field; interactive calls beside a job served, and a cancel leaving partial output;
+another tenant getting 404; paths outside
 the batch root refused before anything is read or written; the watch ending on the final
 status."""
 
@@ -11,6 +12,7 @@ import json
 import math
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -198,10 +200,21 @@ def test_model_config_asking_what_the_engine_cannot_give_is_refused(rest: httpx.
     } <= locs
 
 
-def test_cancel_leaves_partial_output(rest: httpx.Client, batch_root: Path) -> None:
+def test_interactive_calls_beside_a_job_are_served_and_a_cancel_leaves_partial_output(
+    rest: httpx.Client, batch_root: Path
+) -> None:
+    """While the job runs, interactive calls come (its lines beyond a 32nd of its window stop
+    for them, and run again): none is refused. Then a cancel leaves the output partial."""
     lines = [{"prompt": f"Story {i}:", "max_tokens": 200, "ignore_eos": True} for i in range(40)]
     job = create(rest, job_request(lines, output_data_path="cancelled.json"))
-    time.sleep(3)
+    time.sleep(1)
+    interactive = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8}
+    with ThreadPoolExecutor(6) as callers:
+        answers = list(
+            callers.map(lambda _: rest.post("/v2/completions", json=interactive), range(6))
+        )
+    assert [answer.status_code for answer in answers] == [200] * 6, answers[0].text
+    time.sleep(1)
     response = rest.post(f"/v2/batch-completions/{job['job_id']}/actions/cancel", json={})
     assert response.status_code == 200, response.text
     assert response.json() == {"success": True}
