@@ -2,9 +2,8 @@
 and file input, completion and chat lines, each equal to the synchronous answer at temperature
 0; a line over the context failed while the rest complete; a bad line refused at create naming
 its index and field; interactive calls beside a job served, and a cancel leaving partial output;
-another tenant getting 404; paths outside
-the batch root refused before anything is read or written; the watch ending on the final
-status."""
+another tenant getting 404; paths outside the batch root refused before anything is read or
+written; the watch ending on the final status."""
 
 from __future__ import annotations
 
