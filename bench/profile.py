@@ -265,7 +265,7 @@ def markdown(results: dict[str, dict[str, Any]]) -> str:
 
 # Commits before c0532d2 (2026-12-02) held a frontend's calls beyond MAX_IN_FLIGHT (32 by
 # default) in a semaphore, and the benchmarks of then lifted it: so must an A/B against one.
-# Today's service has no such option and ignores the variable.
+# (Today's service refuses the variable, naming what replaced it.)
 UNLIMITED_IN_FLIGHT = {"MAX_IN_FLIGHT": "1024"}
 
 
@@ -279,7 +279,8 @@ def frontend_heavy_round(model_dir: Path, before: str | None) -> dict[str, Any]:
     for server, ref in builds.items():
         print(f"profile: frontend-heavy, ours at {ref or 'this checkout'}", flush=True)
         with checkout(ref) as source:
-            stack = OurStack(model_dir, MODEL, source=source, env=UNLIMITED_IN_FLIGHT)
+            env = UNLIMITED_IN_FLIGHT if ref else None
+            stack = OurStack(model_dir, MODEL, source=source, env=env)
             measured_round[server] = profile_stack(
                 stack, model_dir, workloads=frontend_heavy.FRONTEND_HEAVY
             )
