@@ -129,7 +129,10 @@ def test_a_jobs_lines_spread_over_the_replicas_its_files_in_a_bucket(fleet: Flee
     once; the input is read from the bucket and the output written there, in input order."""
     first, second = fleet.replicas
     lines = [
-        {"prompt": f"Item {i}:", "max_tokens": 2 + i % 7, "ignore_eos": True} for i in range(40)
+        # Long enough (seconds a shard) for the other replica's look for free shards (every
+        # second here) to come before the creator is done with its own and takes the second.
+        {"prompt": f"Item {i}:", "max_tokens": 48 + i % 7, "ignore_eos": True}
+        for i in range(40)
     ]
     bucket = fleet.bucket()
     bucket.mkdir(BUCKET)
