@@ -41,7 +41,7 @@ import psutil
 from bench import frontend_heavy
 from bench.grpc_client import run_load
 from bench.run import MODEL, same_prompts, vllm_bench
-from bench.servers import OurStack, VllmOpenAIServer, cpu_seconds
+from bench.servers import REPO, OurStack, VllmOpenAIServer, cpu_seconds
 from bench.spy_summary import summarize_stacks
 from bench.tiny_model import prepare_tiny_model, tiny_settings
 from bench.workloads import Workload
@@ -267,6 +267,13 @@ def markdown(results: dict[str, dict[str, Any]]) -> str:
 # default) in a semaphore, and the benchmarks of then lifted it: so must an A/B against one.
 # (Today's service refuses the variable, naming what replaced it.)
 UNLIMITED_IN_FLIGHT = {"MAX_IN_FLIGHT": "1024"}
+IN_FLIGHT_CAP_REMOVED = "c0532d2"
+
+
+def capped_in_flight(ref: str) -> bool:
+    """Whether `ref` is older than the in-flight cap's removal (c0532d2)."""
+    command = ["git", "merge-base", "--is-ancestor", IN_FLIGHT_CAP_REMOVED, ref]
+    return subprocess.run(command, cwd=REPO, check=False).returncode != 0
 
 
 def frontend_heavy_round(model_dir: Path, before: str | None) -> dict[str, Any]:
@@ -279,7 +286,7 @@ def frontend_heavy_round(model_dir: Path, before: str | None) -> dict[str, Any]:
     for server, ref in builds.items():
         print(f"profile: frontend-heavy, ours at {ref or 'this checkout'}", flush=True)
         with checkout(ref) as source:
-            env = UNLIMITED_IN_FLIGHT if ref else None
+            env = UNLIMITED_IN_FLIGHT if ref and capped_in_flight(ref) else None
             stack = OurStack(model_dir, MODEL, source=source, env=env)
             measured_round[server] = profile_stack(
                 stack, model_dir, workloads=frontend_heavy.FRONTEND_HEAVY
