@@ -160,7 +160,7 @@ class Runner:
             max(0.0, job.expires_at - time.time()), self.stop, job.job_id, "expired"
         )
         with self.store.open_record(job.job_id, shard) as record:
-            syncing = asyncio.create_task(self.sync_every_second(record, job.job_id))
+            syncing = asyncio.create_task(self.sync_every_second(record, job, counts))
             try:
                 await self.run_lines(job, lines, pending, owner, record, counts)
                 return True
@@ -177,6 +177,7 @@ class Runner:
                 deadline.cancel()
                 syncing.cancel()
                 sync(record)
+                counts.save(self.store)
 
     def mark_running(self, job_id: str) -> None:
         with self.store.changing(job_id) as job:
@@ -208,9 +209,7 @@ class Runner:
                 result = {"error": {"status_code": 500, "detail": detail}}
             record_line(record, index, result)
             counts.add(result)
-            counts.save(self.store)
             self.counts.line_finished("completed" if "response" in result else "failed")
-            self.changed(job)
 
         def ended(task: asyncio.Task[None], index: int) -> None:
             """A line's end (a task cancelled before it ran, too): its place in the window
@@ -282,13 +281,17 @@ class Runner:
             except RetryLaterError as held_back:
                 await asyncio.sleep(held_back.seconds)
 
-    async def sync_every_second(self, record: TextIO, job_id: str) -> None:
-        """Sync the record; stop the job if another process asked to (a cancel, a failure)."""
+    async def sync_every_second(self, record: TextIO, job: Job, counts: ShardCounts) -> None:
+        """Sync the record and publish the shard's counts (a file each: once a second, not a
+        line, on a shared volume); stop the job if another process asked to (a cancel, a
+        failure)."""
         while True:
             await asyncio.sleep(SYNC_SECONDS)
             sync(record)
-            if reason := self.store.stop_asked(job_id):
-                self.stop(job_id, reason)
+            counts.save(self.store)
+            self.changed(job)
+            if reason := self.store.stop_asked(job.job_id):
+                self.stop(job.job_id, reason)
 
     async def end_if_idle(self, job_id: str) -> Job | None:
         """End the job if it has ended and no process runs any of its shards: its output
