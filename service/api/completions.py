@@ -139,7 +139,8 @@ class CompletionHandler:
                     assembler = StreamAssembler(header, plan)
                     async for slot, result in results:
                         call.check()
-                        timings.observe(result)
+                        if metrics_asked:
+                            timings.observe(result)
                         for chunk in assembler.chunks(slot, result):
                             record.completion_tokens = assembler.completion_tokens
                             yield chunk
@@ -251,9 +252,13 @@ class CompletionHandler:
         generators = [
             self.run(prompts[slot.prompt_index].token_ids, slot, options) for slot in slots
         ]
-        outputs = merge_async_iterators(*generators)
         try:
-            async for index, output in outputs:
+            if len(generators) == 1 and not options.constraint:
+                # The common call: its outputs go straight on, one generator layer less per token.
+                async for output in generators[0]:
+                    yield slots[0], output
+                return
+            async for index, output in merge_async_iterators(*generators):
                 failed = any(choice.finish_reason == ENGINE_FAILED for choice in output.outputs)
                 if failed and options.constraint:
                     raise caller_error(unsatisfiable_constraint(options.constraint))

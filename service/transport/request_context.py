@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import re
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -96,9 +97,19 @@ class RequestContextInterceptor(StreamInterceptor):
         if interactive:
             INTERACTIVE_CALLS.add(1)
         try:
-            async for message in inner(request, context):
+            messages = inner(request, context)
+            async for message in messages:  # the first: the time to it is measured
                 record.message_sent(message)
                 yield message
+                break
+            # The rest go straight through (a loop per token is the serving path's cost): only
+            # their text is kept, where prompts are logged; the last went when the stream ends.
+            logs_output = record.prompts is not None
+            async for message in messages:
+                if logs_output:
+                    record.message_sent(message)
+                yield message
+            record.last_message_at = time.monotonic()
             code = "OK"
         except (grpc.aio.AbortError, asyncio.CancelledError, GeneratorExit):
             code = ended_code(context)

@@ -7,8 +7,9 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import TypeVar, cast
 
 import grpc
 from google.protobuf.message import Message
@@ -37,7 +38,7 @@ from llmcompletions.v2.completions_pb2 import (
 from plumbing.headers import ATTEMPT_COUNT_HEADER, FANOUT_CONTINUE, FANOUT_HEADER
 from service.api import endpoint_models
 from service.api.adapter_admin import AdapterAdmin, AdapterReply
-from service.api.cancellation import Cancellations
+from service.api.cancellation import CancellableCall, Cancellations
 from service.api.chat import ChatHandler
 from service.api.completions import CompletionHandler
 from service.api.errors import (
@@ -48,6 +49,7 @@ from service.api.errors import (
 )
 from service.api.model_listing import ModelListing
 from service.api.tokenization import Tokenization
+from service.transport.observability import RequestRecord
 from service.transport.request_context import current_record
 from service.transport.siblings import Siblings, is_forwarded
 
@@ -118,26 +120,29 @@ class CompletionServicer(completions_pb2_grpc.CompletionServiceServicer):
         self.siblings = siblings  # the replica's other frontends, if it has several
         self.fanouts = FanOuts()
 
+    # Each call's messages pass through one generator here: one layer less per token.
     async def CreateCompletion(
         self, request: CreateCompletionRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[CreateCompletionResponse]:
-        async for message in self.cancellable(lambda serving: serving.completions, request):
-            yield message
+        serving, record = self.serving(), current_record()
+        with self.cancellable(serving, record) as call:
+            async for message in serving.completions.complete(request, record, call):
+                yield message
 
     async def CreateChatCompletion(
         self, request: CreateChatCompletionRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[CreateChatCompletionResponse]:
-        async for message in self.cancellable(lambda serving: serving.chat, request):
-            yield message
-
-    async def cancellable(
-        self, handler: Callable[[Serving], Any], request: Message
-    ) -> AsyncIterator[Any]:
-        """The handler's messages for the request, while the call is cancellable by its id."""
         serving, record = self.serving(), current_record()
-        with serving.cancellations.track(record.request_id, record.principal) as call:
-            async for message in handler(serving).complete(request, record, call):
+        with self.cancellable(serving, record) as call:
+            async for message in serving.chat.complete(request, record, call):
                 yield message
+
+    @staticmethod
+    def cancellable(
+        serving: Serving, record: RequestRecord
+    ) -> AbstractContextManager[CancellableCall]:
+        """The call, cancellable by its id while it runs."""
+        return serving.cancellations.track(record.request_id, record.principal)
 
     async def CancelCompletion(
         self, request: CancelCompletionRequest, context: grpc.aio.ServicerContext

@@ -28,7 +28,7 @@ from service.model.load import LoadSnapshot
 from service.transport.error_mapping import ErrorMappingInterceptor
 from service.transport.load_reports import LoadReports
 from service.transport.observability import CALLER_TEXT_CHARS, REQUESTS, read_while_served
-from service.transport.request_context import RequestContextInterceptor
+from service.transport.request_context import RequestContextInterceptor, current_record
 from service.transport.rest_bridge import END_OF_EVENTS, FRAMING_HEADER, HTTP_STATUS_HEADER
 
 METHOD = "CreateCompletion"
@@ -305,3 +305,29 @@ def test_a_callers_long_model_name_and_user_are_logged_cut_and_measured(
     (line,) = [r for r in caplog.records if r.name == "service.requests"]
     fields = line.fields  # type: ignore[attr-defined]
     assert (fields["model"], fields["user"]) == ("smollm2-135m-instruct", "alice")
+
+
+@pytest.mark.parametrize("log_prompts", [False, True])
+def test_a_streams_first_and_last_message_are_timed_and_its_text_kept_when_logged(
+    log_prompts: bool,
+) -> None:
+    """Only a stream's first message is looked at on its way (the time to it); the stream's end
+    times its last. With prompts logged, every message's text is kept for the log line."""
+    records: list[Any] = []
+
+    async def three_chunks(request: Any, context: Any) -> AsyncIterator[CreateCompletionResponse]:
+        records.append(current_record())
+        for text in ("a", "b", "c"):
+            yield CreateCompletionResponse(choices=[Choice(text=text)])
+            await asyncio.sleep(0.02)
+
+    interceptor = RequestContextInterceptor(METHODS, log_prompts=log_prompts)
+    request = CreateCompletionRequest(model="m", stream=True)
+    served = asyncio.run(
+        drain(lambda r, c: interceptor.around(three_chunks, METHOD, r, c), request, FakeContext())
+    )
+    record = records[0]
+    assert [message.choices[0].text for message in served] == ["a", "b", "c"]
+    assert record.output == ("abc" if log_prompts else "")
+    assert record.first_message_at is not None and record.last_message_at is not None
+    assert record.last_message_at - record.first_message_at >= 0.035
