@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -254,9 +255,11 @@ class CompletionHandler:
         ]
         try:
             if len(generators) == 1 and not options.constraint:
-                # The common call: its outputs go straight on, one generator layer less per token.
-                async for output in generators[0]:
-                    yield slots[0], output
+                # The common call: its outputs go straight on, one generator layer less per token
+                # (closed at once if the call ends early, as vLLM's merge would close it).
+                async with contextlib.aclosing(generators[0]) as outputs:
+                    async for output in outputs:
+                        yield slots[0], output
                 return
             async for index, output in merge_async_iterators(*generators):
                 failed = any(choice.finish_reason == ENGINE_FAILED for choice in output.outputs)
@@ -283,7 +286,7 @@ class CompletionHandler:
 
     def run(
         self, prompt_ids: list[int], slot: EngineSlot, options: EngineRequestOptions
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         if isinstance(slot.params, BeamSearchSettings):
             return self.beams(prompt_ids, slot.request_id, slot.params, options.adapter)
         return self.model.engine.generate(
@@ -303,7 +306,7 @@ class CompletionHandler:
         request_id: str,
         settings: BeamSearchSettings,
         adapter: LoRARequest | None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         # Every step's engine requests carry the call's trace context and report its timings.
         engine = ObservedEngine(self.model.engine)
         yield await beam_search(
