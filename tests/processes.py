@@ -13,10 +13,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import httpx
@@ -29,6 +29,7 @@ from tests.engines import STARTS
 
 __all__ = [
     "HealthWatch",
+    "HelperServer",
     "StackError",
     "TestStack",
     "free_port",
@@ -38,6 +39,7 @@ __all__ = [
     "lua_errors",
     "port_open",
     "shared_picker",
+    "start_helper_server",
     "still_running",
 ]
 
@@ -148,6 +150,46 @@ def shared_picker(
         stop_helpers([picker])
         if output:
             output.close()
+
+
+@dataclass
+class HelperServer:
+    """A server the tests need beside the stack (Redis, S3), run as a plain process on a
+    loopback port."""
+
+    port: int
+    process: subprocess.Popen[bytes]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+
+
+Helper = TypeVar("Helper", bound=HelperServer)
+
+
+def start_helper_server(
+    kind: type[Helper],
+    name: str,
+    command: list[str],
+    port: int,
+    log: Path,
+    ready: Callable[[Helper], bool],
+    start_seconds: float,
+) -> Helper:
+    """`command` started (its output in `log`) as a `kind` on `port`, once `ready` says it
+    serves; stopped, with an error naming `log`, if it exits or takes over `start_seconds`."""
+    with log.open("ab") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    server = kind(port, process)
+    deadline = time.monotonic() + start_seconds
+    while not ready(server):
+        if process.poll() is not None or time.monotonic() > deadline:
+            server.stop()
+            raise RuntimeError(f"{name} did not start on port {port}: {log}")
+        time.sleep(0.05)
+    return server
 
 
 def stop_helpers(processes: Sequence[subprocess.Popen[bytes]]) -> None:

@@ -4,24 +4,17 @@ the environment a client needs to reach it (credentials it accepts, AWS_ENDPOINT
 
 from __future__ import annotations
 
-import subprocess
-import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 
-from tests.processes import free_port
+from tests.processes import HelperServer, free_port, start_helper_server
 
 SERVER = Path(__file__).resolve().parents[1] / ".venv" / "tools" / "moto" / "bin" / "moto_server"
 START_SECONDS = 30.0
 
 
-@dataclass
-class S3Server:
-    port: int
-    process: subprocess.Popen[bytes]
-
+class S3Server(HelperServer):
     @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
@@ -35,28 +28,19 @@ class S3Server:
             "AWS_DEFAULT_REGION": "us-east-1",
         }
 
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(timeout=10)
+    def serves(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.endpoint}/moto-api/", timeout=2):
+                return True
+        except (urllib.error.URLError, ConnectionError):
+            return False
 
 
 def start_s3(log: Path) -> S3Server:
     if not SERVER.exists():
         raise RuntimeError(f"{SERVER} is missing: `make test` installs it (make moto)")
     port = free_port()
-    with log.open("ab") as out:
-        command = [str(SERVER), "-H", "127.0.0.1", "-p", str(port)]
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-    server = S3Server(port, process)
-    deadline = time.monotonic() + START_SECONDS
-    while True:
-        try:
-            with urllib.request.urlopen(f"{server.endpoint}/moto-api/", timeout=2):
-                return server
-        except (urllib.error.URLError, ConnectionError):
-            pass
-        if process.poll() is not None or time.monotonic() > deadline:
-            server.stop()
-            raise RuntimeError(f"the S3 server did not start on port {port}: {log}")
-        time.sleep(0.1)
+    command = [str(SERVER), "-H", "127.0.0.1", "-p", str(port)]
+    return start_helper_server(
+        S3Server, "the S3 server", command, port, log, S3Server.serves, START_SECONDS
+    )
