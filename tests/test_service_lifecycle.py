@@ -104,8 +104,16 @@ def test_add_special_tokens_adds_the_bos_token(service: LifecycleService) -> Non
     assert without.choices[0].logprobs.tokens[0] != "<|endoftext|>"
 
 
-def test_json_request_log_lines_carry_prompts_when_asked(service: LifecycleService) -> None:
-    (result,) = grpc_complete(service.stub, model=BOS_MODEL, prompt="Logged prompt", max_tokens=3)
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_request_log_lines_carry_prompts_when_asked(
+    service: LifecycleService, stream: bool
+) -> None:
+    """The request's log line has its prompt and its whole output, a streamed one's from every
+    chunk."""
+    replies = grpc_complete(
+        service.stub, model=BOS_MODEL, prompt="Logged prompt", max_tokens=3, stream=stream
+    )
+    text = "".join(choice.text for reply in replies for choice in reply.choices)
     time.sleep(0.5)
     entries = [
         json.loads(line) for line in service.log.read_text().splitlines() if line.startswith("{")
@@ -114,10 +122,12 @@ def test_json_request_log_lines_carry_prompts_when_asked(service: LifecycleServi
     assert requests, "no JSON request lines"
     last = requests[-1]
     assert last["status"] == "OK" and last["model"] == BOS_MODEL
-    assert last["prompt_tokens"] == result.usage.prompt_tokens
+    assert last["stream"] is stream
     assert last["completion_tokens"] == 3
     assert "Logged prompt" in last["prompts"][0]
-    assert last["output"] == result.choices[0].text
+    assert last["output"] == text
+    if not stream:
+        assert last["prompt_tokens"] == replies[0].usage.prompt_tokens
 
 
 def request_log_lines(log: Path) -> list[str]:
